@@ -1,0 +1,11 @@
+"""Paged KV cache: physical tensors (KVCache), blocks (BlockPool), block tables (KVCacheManager).
+
+Imports only torch and the standard library, so the engine can drive it and tests can run it
+without a model.
+"""
+
+from kiln.cache.block_pool import Block, BlockPool, hash_block_tokens
+from kiln.cache.kv_cache import KVCache
+from kiln.cache.kv_cache_manager import CacheStats, KVCacheManager
+
+__all__ = ["Block", "BlockPool", "CacheStats", "KVCache", "KVCacheManager", "hash_block_tokens"]

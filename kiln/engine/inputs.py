@@ -1,0 +1,56 @@
+"""Prompt normalization and validation at the engine's edge (shared by LLM, engine, server)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PromptLike = str | list[int]
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None
+
+
+def normalize_prompts(prompts: PromptLike | list[PromptLike]) -> list[PromptLike]:
+    """Accept one prompt or a list: a string, a token-id list, or a list of either."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list | tuple) and prompts and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, list | tuple):
+        if not prompts:
+            raise ValueError("prompts is empty; pass at least one prompt")
+        return list(prompts)
+    raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; "
+                    f"got {type(prompts).__name__}")
+
+
+def tokenize_prompt(prompt: PromptLike, tokenizer: Any, vocab_size: int) -> Prompt:
+    """Turn one prompt into validated token ids (strings need the model's tokenizer)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty; give at least one character or token id")
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer files; pass prompts as token-id lists")
+        return Prompt(token_ids=list(tokenizer.encode(prompt)), text=prompt)
+    if not isinstance(prompt, list | tuple):
+        raise TypeError(f"a prompt must be a string or a list of token ids, got "
+                        f"{type(prompt).__name__}")
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("prompt is empty; give at least one token id")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    return Prompt(token_ids=ids)
+
+
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens but max_model_len is "
+                         f"{max_model_len}: at most {max_model_len - 1} prompt tokens leave room "
+                         f"for one generated token")

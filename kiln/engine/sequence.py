@@ -1,0 +1,145 @@
+"""One generated sequence: its tokens, its text, and the rules that decide when it stops.
+
+Shared by the reference generator and the paged engine so that both stop, detokenize and
+report logprobs the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.outputs import CompletionOutput, TokenLogprobs
+from kiln.sampling.detokenizer import IncrementalDetokenizer
+from kiln.sampling.stop import StopChecker
+from kiln.sampling.params import SamplingParams
+
+
+class Sequence:
+    def __init__(self, seq_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, eos_token_ids: tuple[int, ...], max_model_len: int,
+                 tokenizer: Any = None, generator: torch.Generator | None = None) -> None:
+        self.seq_id = seq_id
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.generator = generator
+        self.output_token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                                   params.skip_special_tokens)
+                            if tokenizer is not None else None)
+        self.stop_checker = (StopChecker(params.stop, params.include_stop_str_in_output)
+                             if params.stop and tokenizer is not None else None)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def append_token(self, token_id: int, logprob: float | None = None,
+                     top_logprobs: TokenLogprobs | None = None) -> str:
+        """Record a sampled token; returns the text it adds (may be empty while held back)."""
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.cumulative_logprob += logprob
+        if self.logprobs is not None:
+            entry = dict(top_logprobs or {})
+            if logprob is not None:
+                entry[token_id] = logprob
+            self.logprobs.append(entry)
+        delta = self.detokenizer.add([token_id]) if self.detokenizer is not None else ""
+        return self._check_stop(token_id, delta)
+
+    def _check_stop(self, token_id: int, delta: str) -> str:
+        params = self.params
+        num_out = len(self.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return self._finish("stop", None, "")  # the stop token's own text is dropped
+            if token_id in params.stop_token_ids:
+                return self._finish("stop", token_id, "")
+            if self.stop_checker is not None:
+                delta, stopped, matched = self.stop_checker.feed(delta)
+                if stopped:
+                    self.text += delta
+                    self.finish_reason, self.stop_reason = "stop", matched
+                    return delta
+        if (params.max_tokens is not None and num_out >= params.max_tokens) \
+                or self.num_tokens >= self.max_model_len:
+            if self.detokenizer is not None:  # bytes of an unfinished character, as decode() shows
+                delta += self.detokenizer.flush()
+            return self._finish("length", None, delta)
+        self.text += delta
+        return delta
+
+    def _finish(self, reason: str, stop_reason: int | str | None, delta: str) -> str:
+        if self.stop_checker is not None:
+            delta += self.stop_checker.flush()  # text held back for a stop string that never came
+        self.text += delta
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        return delta
+
+    def abort(self, reason: str = "abort") -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        )
+
+
+def apply_sampler_output(seqs: list[Sequence], token_ids: torch.Tensor,
+                         logprobs: Any | None) -> list[str]:
+    """Append row i's sampled token to ``seqs[i]``; one host transfer for the whole batch.
+
+    ``logprobs`` is the sampler's ``LogprobsTensors`` (or None); each sequence keeps its own
+    top-k. Returns each sequence's new text.
+    """
+    tokens = token_ids.tolist()
+    chosen = top_ids = top_vals = None
+    if logprobs is not None:
+        chosen = logprobs.token_logprobs.tolist()
+        top_ids = logprobs.topk_token_ids.tolist()
+        top_vals = logprobs.topk_logprobs.tolist()
+    deltas = []
+    for row, seq in enumerate(seqs):
+        k = seq.params.logprobs
+        if k is None or chosen is None:
+            deltas.append(seq.append_token(tokens[row]))
+            continue
+        top = dict(zip(top_ids[row][:k], top_vals[row][:k], strict=True))
+        deltas.append(seq.append_token(tokens[row], chosen[row], top))
+    return deltas
+
+
+def prompt_logprobs_to_dicts(logprobs: Any, prompt_token_ids: list[int],
+                             k: int) -> list[TokenLogprobs | None]:
+    """Sampler prompt logprobs -> per prompt token dicts (the first token has none)."""
+    chosen = logprobs.token_logprobs.tolist()
+    top_ids = logprobs.topk_token_ids.tolist()
+    top_vals = logprobs.topk_logprobs.tolist()
+    result: list[TokenLogprobs | None] = [None]
+    for i, token in enumerate(prompt_token_ids[1:]):
+        entry = dict(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
+        entry[token] = chosen[i]
+        result.append(entry)
+    return result

@@ -1,0 +1,59 @@
+"""SiLU-and-multiply, the gated activation of Llama's MLP.
+
+    out = silu(x[..., :I]) * x[..., I:],    silu(g) = g * sigmoid(g),    x: [..., 2 * I]
+
+One pass reads the fused gate/up projection once and writes half of it. silu runs in float32 and
+is rounded to x.dtype before the multiply, as the eager `F.silu(gate) * up` rounds it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels._triton import tl, triton, use_triton
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    out = (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """Launch the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    assert x.shape[-1] % 2 == 0, f"last dim {x.shape[-1]} is not 2 * intermediate"
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * inter)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, inter)
+    num_rows = x2.shape[0]
+    if num_rows == 0 or inter == 0:
+        return out
+    grid = (num_rows, triton.cdiv(inter, block))
+    assert grid[1] < 65536
+    _silu_and_mul_kernel[grid](
+        x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block, num_warps=num_warps
+    )
+    return out
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch silu(gate) * up (the CPU path and the test oracle)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2*I] -> [..., I] = silu(x[..., :I]) * x[..., I:]."""
+    if use_triton(x):
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)

@@ -1,0 +1,99 @@
+"""Paged attention: the one entry point the attention layer calls, and its PyTorch reference.
+
+    out[i, h] = sum_{j <= pos(i)} softmax_j(scale * q[i, h] . K_b[j, g]) V_b[j, g]
+
+q [T, H, D] holds the query tokens of B sequences laid flat (sequence b owns rows
+cu_seqlens_q[b]:cu_seqlens_q[b+1]); they are the last q_len_b of that sequence's seq_lens[b]
+positions, so query i of the chunk sits at pos(i) = seq_lens[b] - q_len_b + i. K_b / V_b are the
+sequence's keys and values gathered from the paged caches [num_blocks, block_size, H_kv, D]
+through block_tables[b] (entries past the context are padding and never read); their K/V for the
+new tokens are already written. GQA: query head h reads kv head g = h // (H / H_kv).
+
+Dispatch: on CUDA with Triton, `max_seqlen_q == 1` runs the split-KV decode kernel and anything
+else the FlashAttention-2-style varlen prefill kernel (head dims 64 and 128); everything else
+runs `paged_attention_ref`, which is also the engine's CPU ("torch") attention backend.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels._triton import use_triton
+from kiln.kernels.attention_decode import paged_attention_decode_triton
+from kiln.kernels.attention_prefill import PREFILL_CONFIGS, paged_attention_prefill_triton
+
+_warned_head_dims: set[int] = set()
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """Per sequence: gather its pages, then SDPA in float32 with the offset causal mask."""
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, kv_len in enumerate(lens):
+        q_start, q_end = cu[b], cu[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        assert q_len <= kv_len, f"sequence {b}: {q_len} queries but seq_len {kv_len}"
+        blocks = block_tables[b, : -(-kv_len // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:kv_len]  # [kv_len, H_kv, D]
+        v = v_cache[blocks].flatten(0, 1)[:kv_len]
+        qb = q[q_start:q_end].transpose(0, 1).float()  # [H, q_len, D]
+        kb = k.transpose(0, 1).float()  # [H_kv, kv_len, D]
+        vb = v.transpose(0, 1).float()
+        mask = None
+        if 1 < q_len < kv_len:  # causal with an offset: is_causal would align the top-left corner
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=mask, is_causal=1 < q_len == kv_len, scale=scale,
+            enable_gqa=group > 1,
+        )  # fmt: skip
+        out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal varlen attention of q [T, H, D] over the paged caches -> out [T, H, D]."""
+    args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, max_seqlen_k)
+    head_dim = q.shape[-1]
+    if use_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables):
+        if head_dim in PREFILL_CONFIGS:
+            if max_seqlen_q == 1:
+                return paged_attention_decode_triton(*args, scale)
+            return paged_attention_prefill_triton(*args, scale)
+        if head_dim not in _warned_head_dims:
+            _warned_head_dims.add(head_dim)
+            warnings.warn(
+                f"paged_attention: no Triton kernel for head_dim {head_dim} "
+                f"(have {sorted(PREFILL_CONFIGS)}); using the PyTorch reference",
+                stacklevel=2,
+            )
+    return paged_attention_ref(*args, scale)

@@ -1,0 +1,174 @@
+"""Decode attention (one query token per sequence) over the paged KV cache, split-KV.
+
+Flash-decoding: the context of each sequence is cut into num_splits partitions of
+`partition_len` keys, one program per (sequence, kv head, partition), so that a small batch with
+long contexts still fills the GPU. Each program loads every K/V tile of its kv head once and
+scores it against all GROUP = num_heads / num_kv_heads query heads that share it (a
+[GROUP, HEAD_DIM] x [HEAD_DIM, BLOCK_N] product, GROUP padded to 16 rows for the tensor cores).
+A partition leaves its normalized output o_s and log-sum-exp lse_s (base 2); the second pass
+combines them exactly:
+
+    out = sum_s w_s o_s,    w_s = 2^(lse_s - max lse) / sum_s' 2^(lse_s' - max lse)
+
+With a single partition (DIRECT) the first pass writes the output directly and no second pass runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.kernels._triton import next_power_of_2, num_sms, tl, triton
+from kiln.kernels.attention_prefill import LOG2E, _attn_tile, check_attention_args
+
+# (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py)
+DECODE_CONFIG = (64, 4, 3)
+MIN_PARTITION_LEN = 256  # shorter partitions cost more in the reduction than they win in overlap
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    qk_scale, partition_len, num_heads, num_splits,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:  # no query for this sequence this step
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition_len
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + partition_len, seq_len)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    q_row = q_row.to(tl.int64)
+    q = tl.load(
+        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None], other=0.0,
+    )  # fmt: skip
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + (seq_len - 1)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+    for start_n in range(start, full_end, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, q_pos, start_n, end, bt_row, k_head, v_head,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, False,
+        )  # fmt: skip
+    for start_n in range(full_end, end, BLOCK_N):  # at most one ragged tile
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, q_pos, start_n, end, bt_row, k_head, v_head,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, True,
+        )  # fmt: skip
+    out = acc / l_i[:, None]
+    if DIRECT:  # a single partition: its output is final
+        out_ptrs = out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        part = (q_row * num_heads + heads) * num_splits + split  # [BLOCK_G]
+        part_ptrs = part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(part_ptrs, out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    stride_ot, stride_oh, partition_len, num_heads, num_splits,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
+        return
+    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_len)  # partitions that ran
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_parts
+    part = (q_row.to(tl.int64) * num_heads + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    part_ptrs = part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+    parts = tl.load(part_ptrs, mask=s_mask[:, None], other=0.0)  # [BLOCK_S, HEAD_DIM]
+    out = tl.sum(parts * w[:, None], 0)
+    out_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sms: int) -> int:
+    """Enough partitions for ~4 programs per SM, none shorter than MIN_PARTITION_LEN keys."""
+    programs = num_seqs * num_kv_heads
+    wanted = triton.cdiv(4 * sms, max(programs, 1))
+    return max(1, min(wanted, triton.cdiv(max_seqlen_k, MIN_PARTITION_LEN)))
+
+
+def paged_attention_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    num_splits: int | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Launch decode (+ reduction); every sequence has at most one query token."""
+    num_seqs, num_heads, num_kv_heads, head_dim = check_attention_args(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
+    )
+    assert max_seqlen_q <= 1, "decode kernel takes one query token per sequence"
+    assert head_dim in (64, 128), f"head_dim {head_dim} not in [64, 128]"
+    block_n, num_warps, num_stages = config or DECODE_CONFIG
+    out = torch.empty_like(q)
+    if q.shape[0] == 0 or num_seqs == 0 or max_seqlen_k == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, num_sms(q.device))
+    # partitions hold whole tiles; recompute the count so that none is empty by construction
+    partition_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_seqlen_k, partition_len)
+    group = num_heads // num_kv_heads
+    if num_splits > 1:
+        shape = (q.shape[0], num_heads, num_splits)
+        part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused: DIRECT stores straight into out
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E, partition_len, num_heads, num_splits,
+        GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=num_splits == 1,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, cu_seqlens_q, seq_lens, out.stride(0), out.stride(1),
+            partition_len, num_heads, num_splits,
+            BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4,
+        )  # fmt: skip
+    return out

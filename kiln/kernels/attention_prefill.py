@@ -1,0 +1,181 @@
+"""Varlen causal attention over the paged KV cache, FlashAttention-2 style (prefill / mixed).
+
+For each sequence b (queries q[cu_seqlens_q[b]:cu_seqlens_q[b+1]], the last q_len of its
+seq_lens[b] positions) and query head h with kv head g = h // (num_heads // num_kv_heads):
+
+    out[i] = sum_{j <= pos(i)} softmax_j(scale * q[i] . K[j]) V[j],   pos(i) = ctx_len + i
+
+One program owns BLOCK_M query rows of one head and streams BLOCK_N keys at a time through an
+online softmax (running max m, running sum l, fp32 accumulator), in base 2 with scale * log2(e)
+folded into the logits. Keys are gathered row by row from the pages named in the block table.
+Key tiles that every row of the program may see skip the causal mask; only the tiles that touch
+the diagonal (or the end of the context) are masked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kiln.kernels._triton import tl, triton
+
+LOG2E = math.log2(math.e)  # exp(x) == exp2(x * LOG2E)
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, tuned on an H100 by
+# benchmarks/gpu_kernels.py
+PREFILL_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
+
+
+@triton.jit
+def _attn_tile(
+    acc, l_i, m_i, q, q_pos, start_n, kv_end, bt_row_ptr, k_head_ptr, v_head_ptr,
+    stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N key tile of the online softmax; MASKED applies causality and kv_end."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_valid = offs_n < kv_end
+    if MASKED:
+        page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=n_valid, other=0)
+    else:
+        page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE)
+    page = page.to(tl.int64)
+    in_page = offs_n % PAGE_SIZE
+    k_ptrs = k_head_ptr + page[None, :] * stride_kb + in_page[None, :] * stride_ks + offs_d[:, None]
+    v_ptrs = v_head_ptr + page[:, None] * stride_vb + in_page[:, None] * stride_vs + offs_d[None, :]
+    if MASKED:  # noqa: SIM108 (a constexpr branch; keep the unmasked load mask-free)
+        k_t = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+    else:
+        k_t = tl.load(k_ptrs)
+    qk = tl.dot(q, k_t) * qk_scale
+    if MASKED:
+        keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:  # noqa: SIM108
+        v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    qk_scale,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    # the last query blocks see the most keys: start them first so the tail of the grid is short
+    m_block = tl.num_programs(2) - 1 - tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len + m_block * BLOCK_M
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None], other=0.0,
+    )  # fmt: skip
+    q_pos = first_pos + tl.arange(0, BLOCK_M)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head = head // GROUP
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    # keys below full_end are visible to every row (and lie inside the context): no mask
+    full_end = (first_pos // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, q_pos, start_n, seq_len, bt_row, k_head, v_head,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, False,
+        )  # fmt: skip
+    end = tl.minimum(first_pos + BLOCK_M, seq_len)
+    for start_n in range(full_end, end, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, q_pos, start_n, seq_len, bt_row, k_head, v_head,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, True,
+        )  # fmt: skip
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None],
+    )  # fmt: skip
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> tuple[int, int, int, int]:
+    """Shape/dtype/stride asserts shared by the launchers; returns (B, H, H_kv, head_dim)."""
+    assert q.dim() == 3 and k_cache.dim() == 4, "q [T, H, D], caches [blocks, page, H_kv, D]"
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads, {num_kv_heads} kv heads"
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    num_seqs = seq_lens.shape[0]
+    assert cu_seqlens_q.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
+    assert block_tables.stride(-1) == 1
+    for t in (cu_seqlens_q, seq_lens, block_tables):
+        assert t.dtype in (torch.int32, torch.int64)
+    return num_seqs, num_heads, num_kv_heads, head_dim
+
+
+def paged_attention_prefill_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Launch the prefill kernel; `config` = (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    num_seqs, num_heads, num_kv_heads, head_dim = check_attention_args(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
+    )
+    assert head_dim in PREFILL_CONFIGS, f"head_dim {head_dim} not in {sorted(PREFILL_CONFIGS)}"
+    block_m, block_n, num_warps, num_stages = config or PREFILL_CONFIGS[head_dim]
+    out = torch.empty_like(q)
+    if q.shape[0] == 0 or num_seqs == 0:
+        return out
+    grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E,
+        GROUP=num_heads // num_kv_heads, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out

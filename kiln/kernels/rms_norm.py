@@ -1,0 +1,105 @@
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+    y = weight * (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)
+
+The statistic and the scaling run in float32; the normalized value is rounded to x.dtype before
+the weight multiply, exactly as Hugging Face's LlamaRMSNorm does. With a residual the kernel first
+forms `residual = x + residual` (rounded to x.dtype, as an eager `x + residual` would) and returns
+`(rms_norm(residual), residual)`: one pass reads x and residual once and writes both outputs,
+instead of three eager kernels. Outputs are new tensors of x.dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.kernels._triton import next_power_of_2, tl, triton, use_triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_res, stride_out, stride_res_out,
+    n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = (normed * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Launch the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} != ({hidden},)"
+    assert weight.stride(-1) == 1
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, hidden)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        res2 = residual.reshape(-1, hidden)
+        if res2.stride(-1) != 1:
+            res2 = res2.contiguous()
+        res_out = torch.empty_like(out)
+        res_out2 = res_out.view(-1, hidden)
+    else:
+        res2 = res_out2 = x2  # unused: HAS_RESIDUAL=False prunes every access
+    num_rows = x2.shape[0]
+    if num_rows == 0:
+        return out if residual is None else (out, res_out)
+    block = next_power_of_2(hidden)
+    assert block <= 65536, f"hidden size {hidden} too large for one row per program"
+    if num_warps is None:
+        # ~16 elements per thread: 16-byte bf16 vectors with few registers per thread
+        num_warps = min(max(block // 512, 1), 16)
+    _rms_norm_kernel[(num_rows,)](
+        x2, res2, weight, out2, res_out2,
+        x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
+        hidden, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
+    return out if residual is None else (out, res_out)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch RMSNorm (the CPU path and the test oracle)."""
+    if residual is not None:
+        residual = x + residual
+        x = residual
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (weight.float() * normed.float()).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim of x [..., hidden]; with `residual`: (out, x + residual)."""
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if use_triton(*tensors):
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)

@@ -1,0 +1,1 @@
+"""Model building blocks: tensor-parallel aware, with pluggable weight formats."""

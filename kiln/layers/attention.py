@@ -1,0 +1,85 @@
+"""Attention front-end: write this step's K/V into the paged cache, then attend over it.
+
+The model never sees the cache layout: every forward receives an ``AttentionMetadata`` that
+says where each new token's K/V goes (``slot_mapping``) and which blocks each sequence reads
+(``block_tables``). The reference generator's contiguous cache is the special case of one block
+per sequence, so both paths run the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kiln.kernels.attention import paged_attention, paged_attention_ref
+from kiln.kernels.kv_cache import write_kv_cache
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64; < 0 skips (padding)
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, cached + new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer; [num_blocks, block_size, Hkv, D]
+    backend: str = "torch"  # "torch" (reference, any device) or "triton" (CUDA kernels)
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+        k_cache, v_cache = meta.kv_caches[self.layer_idx]
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        attend = paged_attention if meta.backend == "triton" else paged_attention_ref
+        out = attend(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                     meta.max_seqlen_q, meta.max_seqlen_k, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
+def contiguous_kv_caches(num_layers: int, num_seqs: int, max_len: int, num_kv_heads: int,
+                         head_dim: int, dtype: torch.dtype,
+                         device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One block of ``max_len`` slots per sequence: a contiguous cache in paged clothing."""
+    shape = (num_seqs, max_len, num_kv_heads, head_dim)
+    return [(torch.empty(shape, dtype=dtype, device=device),
+             torch.empty(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+
+def contiguous_metadata(start_lens: list[int], new_lens: list[int], max_len: int,
+                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                        device: torch.device, backend: str = "torch",
+                        rows: list[int] | None = None) -> AttentionMetadata:
+    """Metadata for sequences whose KV sits in one row each of a contiguous cache.
+
+    Sequence b lives in cache row ``rows[b]`` (default b), already holds ``start_lens[b]``
+    tokens and feeds ``new_lens[b]`` new ones.
+    """
+    rows = list(range(len(start_lens))) if rows is None else rows
+    slots, cu = [], [0]
+    for row, start, new in zip(rows, start_lens, new_lens, strict=True):
+        slots.extend(range(row * max_len + start, row * max_len + start + new))
+        cu.append(cu[-1] + new)
+    seq_lens = [s + n for s, n in zip(start_lens, new_lens, strict=True)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(rows, dtype=torch.int32, device=device).unsqueeze(1),
+        max_seqlen_q=max(new_lens),
+        max_seqlen_k=max(seq_lens),
+        kv_caches=kv_caches,
+        backend=backend,
+    )

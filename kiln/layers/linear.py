@@ -1,0 +1,106 @@
+"""Linear layers: tensor-parallel sharding plus a pluggable weight format.
+
+A layer owns the *sharding* (which slice of the checkpoint tensor this rank keeps, where merged
+projections such as q/k/v sit); a ``LinearMethod`` owns the *format* (dense, int8, int4, fp8 ...):
+how weights are stored after loading and how ``y = x W^T + b`` is computed. Quantized formats
+plug in by implementing ``LinearMethod``; the models never change.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.parallel import SINGLE, TPContext
+
+
+class LinearMethod(Protocol):
+    """How a Linear stores its weight and runs. ``layer.weight`` is dense [out, in] at load."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None: ...
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseLinearMethod:
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        return None
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class Linear(nn.Module):
+    """A linear layer holding this rank's shard of ``out_features x in_features``.
+
+    ``shard_dim`` is 0 for column parallel (outputs split), 1 for row parallel (inputs split).
+    ``shards`` lists the logical sub-matrices stacked along the output dimension (q/k/v, or
+    gate/up) as ``{shard_id: (offset, size)}`` in *local* rows.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard_dim: int | None,
+                 tp: TPContext = SINGLE, shards: dict[str, tuple[int, int]] | None = None,
+                 method: LinearMethod | None = None, reduce_output: bool = False) -> None:
+        super().__init__()
+        self.tp = tp
+        self.shard_dim = shard_dim
+        self.shards = shards or {}
+        self.reduce_output = reduce_output
+        self.method: LinearMethod = method or DenseLinearMethod()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        # a row-parallel bias is added once, after the reduction, so only rank 0 keeps it non-zero
+        self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.method.apply(self, x)
+        return self.tp.all_reduce(y) if self.reduce_output else y
+
+    def _local_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.tp.size == 1 or dim >= loaded.dim():
+            return loaded
+        size = loaded.shape[dim] // self.tp.size
+        return loaded.narrow(dim, self.tp.rank * size, size)
+
+    def load(self, param_name: str, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        """Copy a checkpoint tensor (full, unsharded) into this rank's parameter."""
+        param = getattr(self, param_name)
+        if param_name == "bias" and self.shard_dim == 1:
+            piece = loaded if self.tp.rank == 0 else torch.zeros_like(loaded)
+        else:
+            piece = self._local_slice(loaded, self.shard_dim) if self.shard_dim is not None \
+                else loaded
+        target = param.data
+        if shard_id is not None:
+            offset, size = self.shards[shard_id]
+            target = target.narrow(0, offset, size)
+        if tuple(piece.shape) != tuple(target.shape):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not fit parameter "
+                             f"{param_name}{'[' + shard_id + ']' if shard_id else ''} of shape "
+                             f"{tuple(target.shape)} (tensor_parallel_size={self.tp.size})")
+        target.copy_(piece)
+
+
+def column_parallel(in_features: int, out_sizes: dict[str, int] | int, bias: bool,
+                    tp: TPContext = SINGLE) -> Linear:
+    """Outputs split across ranks; ``out_sizes`` may name stacked shards (q/k/v, gate/up)."""
+    sizes = out_sizes if isinstance(out_sizes, dict) else {"": out_sizes}
+    shards, offset = {}, 0
+    for shard_id, size in sizes.items():
+        local = tp.shard(size, f"output size of shard {shard_id!r}" if shard_id else "out_features")
+        shards[shard_id] = (offset, local)
+        offset += local
+    return Linear(in_features, offset, bias, shard_dim=0, tp=tp,
+                  shards=shards if isinstance(out_sizes, dict) else None)
+
+
+def row_parallel(in_features: int, out_features: int, bias: bool,
+                 tp: TPContext = SINGLE) -> Linear:
+    """Inputs split across ranks; partial outputs are summed with an all-reduce."""
+    return Linear(tp.shard(in_features, "in_features"), out_features, bias, shard_dim=1, tp=tp,
+                  reduce_output=True)

@@ -1,0 +1,19 @@
+"""RMSNorm with an optional fused residual add (one pass over memory on the GPU)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.kernels.rms_norm import rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        return rms_norm(x, self.weight, self.eps, residual)

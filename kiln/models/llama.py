@@ -1,0 +1,180 @@
+"""The Llama family in one implementation: Llama 2/3/3.1, Mistral, Qwen2 and Qwen3.
+
+Variants differ only by flags in ``ArchConfig`` (q/k/v bias, per-head q/k RMSNorm, tied
+embeddings, rope scaling). Tokens are laid flat ([num_tokens]) across all sequences of a batch;
+``AttentionMetadata`` tells attention where each sequence starts and where its KV lives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.layers.activation import SiluAndMul
+from kiln.layers.attention import (Attention, AttentionMetadata, contiguous_kv_caches,
+                                   contiguous_metadata)
+from kiln.layers.embedding import LMHead, VocabParallelEmbedding
+from kiln.layers.linear import column_parallel, row_parallel
+from kiln.layers.norm import RMSNorm
+from kiln.layers.rotary import RotaryEmbedding
+from kiln.models.arch import ArchConfig
+from kiln.parallel import SINGLE, TPContext
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 tp: TPContext) -> None:
+        super().__init__()
+        self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = column_parallel(
+            cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+            bias=cfg.qkv_bias, tp=tp)
+        self.o_proj = row_parallel(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, cfg.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, tp: TPContext) -> None:
+        super().__init__()
+        self.gate_up_proj = column_parallel(
+            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
+            bias=cfg.mlp_bias, tp=tp)
+        self.down_proj = row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+                                      tp=tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 tp: TPContext) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, tp)
+        self.mlp = LlamaMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig, tp: TPContext = SINGLE,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        # one rotary table shared by every layer
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                 cfg.rope)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> float32 logits [n, vocab]."""
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain causal forward without a persistent cache: [B, L] -> logits [B, L, V]."""
+        num_seqs, seq_len = input_ids.shape
+        device = input_ids.device
+        caches = contiguous_kv_caches(self.cfg.num_layers, num_seqs, seq_len, self.num_kv_heads,
+                                      self.cfg.head_dim, self.embed_tokens.weight.dtype, device)
+        meta = contiguous_metadata([0] * num_seqs, [seq_len] * num_seqs, seq_len, caches, device)
+        positions = torch.arange(seq_len, device=device).repeat(num_seqs)
+        hidden = self.forward(input_ids.reshape(-1), positions, meta)
+        return self.compute_logits(hidden).reshape(num_seqs, seq_len, -1)
+
+    # checkpoint name fragment -> (Kiln module suffix, shard id) for stacked projections
+    _STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
+                "up_proj": ("gate_up_proj", "up")}
+
+    def checkpoint_targets(self, name: str) -> tuple[nn.Module, str, str | None] | None:
+        """Map a Hugging Face tensor name to (module, parameter name, shard id).
+
+        Returns None for tensors that carry no weights Kiln needs (rotary inv_freq buffers, the
+        LM head of a tied model).
+        """
+        if "rotary_emb." in name:
+            return None
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return None
+        module_path, _, param = name.rpartition(".")
+        parts = module_path.split(".")
+        shard_id = None
+        if parts and parts[-1] in self._STACKED:
+            parts[-1], shard_id = self._STACKED[parts[-1]]
+        try:
+            module = self.get_submodule(".".join(parts))
+        except AttributeError:
+            raise KeyError(name) from None
+        if not hasattr(module, param):
+            raise KeyError(name)
+        return module, param, shard_id
+
+    def expected_checkpoint_names(self) -> set[str]:
+        """Every checkpoint tensor a complete Hugging Face checkpoint must provide."""
+        inverse = {kiln: hf for hf, kiln in self._STACKED.items()}
+        names = set()
+        for full, _ in self.named_parameters(remove_duplicate=True):
+            module_path, _, param = full.rpartition(".")
+            parts = module_path.split(".")
+            prefix = "" if parts[0] == "lm_head" else "model."
+            if parts[-1] in ("qkv_proj", "gate_up_proj"):
+                for (kiln_name, _shard), hf_name in inverse.items():
+                    if kiln_name == parts[-1]:
+                        names.add(prefix + ".".join([*parts[:-1], hf_name, param]))
+            else:
+                names.add(prefix + full)
+        return names

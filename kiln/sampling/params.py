@@ -1,0 +1,130 @@
+"""Per-request sampling parameters, named as in vLLM so users can switch engines freely."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Below this temperature a request is greedy: dividing logits by ~0 would overflow, and the
+# distribution is a point mass on the argmax anyway (vLLM uses the same threshold).
+SAMPLING_EPS = 1e-5
+# vLLM's cap on logprobs; larger values make the top-k gather and host transfer costly.
+MAX_LOGPROBS = 20
+
+
+def _fail(field: str, value: object, valid: str) -> None:
+    raise ValueError(f"SamplingParams.{field} must be {valid}, got {value!r}")
+
+
+def _check_int(field: str, value: object, valid: str, ok) -> None:
+    # bool is an int subclass; `n=True` is a bug at the caller, not a count.
+    if not isinstance(value, int) or isinstance(value, bool) or not ok(value):
+        _fail(field, value, valid)
+
+
+def _check_float(field: str, value: object, valid: str, ok) -> None:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or math.isnan(value)
+        or not ok(value)
+    ):
+        _fail(field, value, valid)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request, and when to stop.
+
+    `top_k` of 0 or -1 turns top-k off. `stop` is normalized to a list and `stop_token_ids` to a
+    list once validated; `logprobs`/`prompt_logprobs` count the top alternatives returned per
+    token (0 returns only the chosen token's logprob).
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, "an integer >= 1", lambda v: v >= 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, "None or an integer >= 1", lambda v: v >= 1)
+        _check_int("min_tokens", self.min_tokens, "an integer >= 0", lambda v: v >= 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        _check_float(
+            "temperature",
+            self.temperature,
+            "a finite number >= 0",
+            lambda v: 0 <= v < math.inf,
+        )
+        _check_float("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+        _check_int("top_k", self.top_k, "-1 or 0 (off) or an integer >= 1", lambda v: v >= -1)
+        _check_float("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, "None or an integer", lambda v: True)
+        for field in ("presence_penalty", "frequency_penalty"):
+            _check_float(field, getattr(self, field), "in [-2, 2]", lambda v: -2 <= v <= 2)
+        _check_float(
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a finite number > 0",
+            lambda v: 0 < v < math.inf,
+        )
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None:
+                _check_int(
+                    field,
+                    value,
+                    f"None or an integer in [0, {MAX_LOGPROBS}]",
+                    lambda v: 0 <= v <= MAX_LOGPROBS,
+                )
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        for s in self.stop:
+            # An empty stop string would match before the first token.
+            if not isinstance(s, str) or not s:
+                _fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
+
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                _fail("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax (temperature below SAMPLING_EPS)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -1,0 +1,329 @@
+"""Batched token sampling: one call per engine step, no host synchronization inside.
+
+Pipeline per step (all rows at once): repetition/frequency/presence penalties -> min_tokens
+mask -> greedy argmax -> temperature -> top-k -> top-p -> min-p -> exponential race. Branches
+depend only on host metadata (e.g. "some row uses top-k"), never on tensor values, so the
+caller decides when to wait for the GPU (by reading `SamplerOutput.token_ids`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kiln.sampling.params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+# Exp(1) draws can be exactly 0 (CPU computes -log(1 - u) with u = 0); 0 / 0 would be NaN and
+# argmax picks NaN, i.e. a masked token. Clamping to the smallest normal float avoids that.
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def generator_for(seed: int, sample_index: int, device: torch.device | str) -> torch.Generator:
+    """A torch.Generator for sample `sample_index` of a request seeded with `seed`.
+
+    Sample 0 uses the seed itself; sample i > 0 uses a splitmix64 mix of (seed, i), which is a
+    bijection in i, so the n samples of one request get distinct, reproducible streams.
+    """
+    base = seed & _MASK64
+    mixed = base if sample_index == 0 else _splitmix64(base ^ _splitmix64(sample_index))
+    gen = torch.Generator(device=device)
+    gen.manual_seed(mixed)
+    return gen
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        # Pinned source lets the copy overlap with the host building the rest of the step.
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _pad(rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    width = max((len(r) for r in rows), default=0)
+    return [list(r) + [-1] * (width - len(r)) for r in rows]
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of the chosen (or actual next) token per row, plus the row's top alternatives.
+
+    Rows asking for fewer alternatives than `topk_*.shape[1]` slice their own k on the host.
+    """
+
+    token_logprobs: Tensor  # [num_rows] float32
+    token_ranks: Tensor  # [num_rows] int64, 1 = most likely (OpenAI / vLLM convention)
+    topk_token_ids: Tensor  # [num_rows, max_k] int64, most likely first
+    topk_logprobs: Tensor  # [num_rows, max_k] float32
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor  # [num_seqs] int64
+    logprobs: LogprobsTensors | None = None  # set when any row asked for logprobs
+
+
+def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_logprobs: int) -> LogprobsTensors:
+    """Pick each row's token logprob and rank, and its top `num_logprobs` from [rows, vocab]."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top = logprobs.topk(num_logprobs, dim=-1)
+    return LogprobsTensors(chosen.squeeze(1), ranks, top.indices, top.values)
+
+
+def compute_prompt_logprobs(
+    logits: Tensor, prompt_token_ids: Sequence[int] | Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Logprobs of each next prompt token: row i scores prompt_token_ids[i + 1].
+
+    `logits[i]` is the model output at the position of prompt_token_ids[i] (rows beyond
+    len(prompt_token_ids) - 1 are ignored), so a chunked prefill covering positions [a, b) can
+    pass its own logits with prompt_token_ids[a:b + 1]. The first prompt token has no logprob.
+    Logprobs come from the raw logits, like the sampler's.
+    """
+    targets = torch.as_tensor(prompt_token_ids, dtype=torch.int64, device=logits.device)[1:]
+    if logits.shape[0] < targets.shape[0]:
+        raise ValueError(
+            f"need logits for {targets.shape[0]} positions, got {logits.shape[0]} rows"
+        )
+    logprobs = logits[: targets.shape[0]].float().log_softmax(dim=-1)
+    return gather_logprobs(logprobs, targets, num_logprobs)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step batch tensors, built once on the host. A None tensor means no row needs it."""
+
+    num_seqs: int
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: Tensor | None  # [num_seqs] bool, only when greedy and random rows mix
+    temperature: Tensor | None  # [num_seqs, 1] float32, 1.0 on greedy rows
+    top_k: Tensor | None  # [num_seqs] int64, 0 = off
+    max_top_k: int
+    top_p: Tensor | None  # [num_seqs, 1] float32, 1.0 = off
+    min_p: Tensor | None  # [num_seqs, 1] float32, 0.0 = off
+    generators: dict[int, torch.Generator]  # row -> own stream (random rows only)
+    needs_shared_draw: bool  # some random row has no generator of its own
+    presence_penalty: Tensor | None  # [num_seqs, 1] float32; set together with frequency
+    frequency_penalty: Tensor | None  # [num_seqs, 1] float32
+    repetition_penalty: Tensor | None  # [num_seqs, 1] float32
+    output_token_ids: Tensor | None  # [num_seqs, max_output_len] int64, -1 pads
+    prompt_token_ids: Tensor | None  # [num_seqs, max_prompt_len] int64, -1 pads
+    min_tokens_rows: Tensor | None  # [num_masked] int64, with min_tokens_ids: (row, token)
+    min_tokens_ids: Tensor | None  # [num_masked] int64, pairs set to -inf
+    max_num_logprobs: int | None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]],
+        device: torch.device | str,
+        eos_token_ids: Sequence[int] = (),
+    ) -> SamplingMetadata:
+        """One row per sequence. `eos_token_ids` are masked (with each row's stop_token_ids)
+        while a row has fewer than min_tokens outputs, unless the row sets ignore_eos (then EOS
+        is just another token, as in vLLM)."""
+        num_seqs = len(params)
+        if not len(generators) == len(output_token_ids) == len(prompt_token_ids) == num_seqs:
+            raise ValueError(
+                f"one row per sequence: {num_seqs} params, {len(generators)} generators, "
+                f"{len(output_token_ids)} output lists, {len(prompt_token_ids)} prompt lists"
+            )
+        device = torch.device(device)
+        greedy = [p.greedy for p in params]
+        rand = [p for p, g in zip(params, greedy, strict=True) if not g]
+
+        def column(values: list[float]) -> Tensor:
+            return _to_device([[v] for v in values], torch.float32, device)
+
+        def random_rows(value, off: float) -> list:
+            # Greedy rows get the "off" value so the random path leaves them untouched.
+            return [off if g else value(p) for p, g in zip(params, greedy, strict=True)]
+
+        temperature = top_k = top_p = min_p = None
+        if any(p.temperature != 1.0 for p in rand):
+            temperature = column(random_rows(lambda p: p.temperature, 1.0))
+        max_top_k = max((p.top_k for p in rand), default=0)
+        if max_top_k > 0:
+            top_k = _to_device(random_rows(lambda p: max(p.top_k, 0), 0), torch.int64, device)
+        if any(p.top_p < 1.0 for p in rand):
+            top_p = column(random_rows(lambda p: p.top_p, 1.0))
+        if any(p.min_p > 0.0 for p in rand):
+            min_p = column(random_rows(lambda p: p.min_p, 0.0))
+        own = {i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]}
+
+        presence = frequency = repetition = out_ids = prompt_ids = None
+        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            presence = column([p.presence_penalty for p in params])
+            frequency = column([p.frequency_penalty for p in params])
+        if any(p.repetition_penalty != 1.0 for p in params):
+            repetition = column([p.repetition_penalty for p in params])
+            prompt_ids = _to_device(_pad(prompt_token_ids), torch.int64, device)
+        if presence is not None or repetition is not None:
+            out_ids = _to_device(_pad(output_token_ids), torch.int64, device)
+
+        rows: list[int] = []
+        ids: list[int] = []
+        for i, p in enumerate(params):
+            if len(output_token_ids[i]) < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+                rows += [i] * len(banned)
+                ids += sorted(banned)
+        min_rows = _to_device(rows, torch.int64, device) if rows else None
+        min_ids = _to_device(ids, torch.int64, device) if rows else None
+
+        all_greedy, all_random = all(greedy), not any(greedy)
+        greedy_mask = None
+        if not (all_greedy or all_random):
+            greedy_mask = _to_device(greedy, torch.bool, device)
+        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            num_seqs=num_seqs,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=greedy_mask,
+            temperature=temperature,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=own,
+            needs_shared_draw=len(own) < len(rand),
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            output_token_ids=out_ids,
+            prompt_token_ids=prompt_ids,
+            min_tokens_rows=min_rows,
+            min_tokens_ids=min_ids,
+            max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+        )
+
+
+def _token_counts(padded_ids: Tensor, vocab_size: int) -> Tensor:
+    """[num_seqs, vocab] token counts from -1-padded ids; pads land in a spill column."""
+    ids = torch.where(padded_ids < 0, vocab_size, padded_ids)
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Repetition (HF/vLLM: seen tokens' positive logits / p, negative * p, over prompt and
+    output), then OpenAI's frequency and presence penalties over output tokens. In place."""
+    if meta.output_token_ids is None:
+        return logits
+    vocab_size = logits.shape[1]
+    counts = _token_counts(meta.output_token_ids, vocab_size)  # [num_seqs, vocab]
+    in_output = counts > 0
+    if meta.repetition_penalty is not None:
+        seen = in_output | (_token_counts(meta.prompt_token_ids, vocab_size) > 0)
+        rep = meta.repetition_penalty
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalized, logits))
+    if meta.frequency_penalty is not None:
+        logits -= meta.frequency_penalty * counts
+        logits -= meta.presence_penalty * in_output
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: Tensor, top_k: Tensor | None, max_top_k: int, top_p: Tensor | None
+) -> Tensor:
+    """Set logits outside each row's top-k, then outside its nucleus (smallest top set with
+    probability >= p, computed after top-k), to -inf. Ties at the k-th value are all kept."""
+    vocab_size = logits.shape[1]
+    if top_p is None:
+        # Top-k alone: a partial topk is much cheaper than sorting the vocabulary.
+        k_cap = min(max_top_k, vocab_size)
+        top_vals = logits.topk(k_cap, dim=-1).values  # [num_seqs, k_cap], descending
+        kth = top_vals.gather(1, (top_k.clamp(1, k_cap) - 1).unsqueeze(1))
+        kth.masked_fill_((top_k <= 0).unsqueeze(1), float("-inf"))  # row has top-k off
+        return logits.masked_fill_(logits < kth, float("-inf"))
+
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+        kth = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    # A token is outside the nucleus when the tokens ranked at or below it hold <= 1 - p.
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cum_probs <= 1 - top_p
+    outside[:, -1] = False  # the most likely token always stays
+    sorted_logits.masked_fill_(outside, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    """Turns one step's logits into next tokens (and logprobs) for every running sequence."""
+
+    def sample(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """`logits` [num_seqs, vocab] is not modified. Returns tokens still on its device."""
+        if logits.dim() != 2 or logits.shape[0] != meta.num_seqs:
+            raise ValueError(f"expected logits [{meta.num_seqs}, vocab], got {tuple(logits.shape)}")
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            # vLLM's default: logprobs describe the model, not the sampling transforms.
+            raw_logprobs = logits.float().log_softmax(dim=-1)
+
+        logits = logits.to(torch.float32, copy=True)  # the one copy; in place from here on
+        apply_penalties(logits, meta)
+        if meta.min_tokens_rows is not None:
+            logits[meta.min_tokens_rows, meta.min_tokens_ids] = float("-inf")
+
+        greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            token_ids = greedy_ids
+        else:
+            token_ids = self._sample_random(logits, meta)
+            if greedy_ids is not None:
+                token_ids = torch.where(meta.greedy_mask, greedy_ids, token_ids)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    __call__ = sample
+
+    @staticmethod
+    def _sample_random(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        if meta.temperature is not None:
+            logits.div_(meta.temperature)
+        if meta.top_k is not None or meta.top_p is not None:
+            apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
+        if meta.min_p is not None:
+            apply_min_p(logits, meta.min_p)
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / q), q ~ Exp(1), is a draw from p without a CDF search.
+        # Seeded rows draw q from their own generator so their tokens ignore the batch around
+        # them; the rest share one batched draw from the default generator.
+        q = torch.empty_like(probs)
+        if meta.needs_shared_draw:
+            q.exponential_()
+        for row, gen in meta.generators.items():
+            q[row].exponential_(generator=gen)
+        q.clamp_min_(_TINY)
+        return probs.div_(q).argmax(dim=-1)

@@ -1,0 +1,124 @@
+"""`kiln zoo ...`: train the zoo's tokenizer and models, list the installed models."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kiln.zoo import ZOO_MODELS
+
+zoo_app = typer.Typer(help="Kiln's own small models, trained on the Python standard library.")
+
+
+@zoo_app.command("train")
+def train_cmd(
+    size: Annotated[str, typer.Option(help="preset: tiny, draft or micro (CPU smoke test)")],
+    out: Annotated[Path, typer.Option(help="output directory; a checkpoint there is resumed")],
+    steps: Annotated[int | None, typer.Option(help="optimizer steps (default: preset's)")] = None,
+    budget_s: Annotated[
+        float | None,
+        typer.Option(help="instead of --steps: as many steps as fit this many seconds here"),
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option(help="sequences per step")] = None,
+    lr: Annotated[float | None, typer.Option(help="peak learning rate")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    log_every: Annotated[int, typer.Option()] = 10,
+    eval_every: Annotated[int, typer.Option()] = 200,
+    checkpoint_every: Annotated[int, typer.Option()] = 500,
+    stop_at: Annotated[
+        int | None, typer.Option(help="stop after this step, leaving a checkpoint to resume")
+    ] = None,
+    max_files: Annotated[
+        int | None, typer.Option(help="use only the first N files of each split")
+    ] = None,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="directory with tokenizer.json (default: the zoo's)")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+) -> None:
+    """Train a zoo model (Llama architecture) and write it in Hugging Face format to OUT."""
+    from kiln.zoo.train import DEFAULT_TOKENIZER_DIR, TrainConfig, estimate_steps, train
+
+    if steps is not None and budget_s is not None:
+        raise typer.BadParameter("give --steps or --budget-s, not both")
+    cfg = TrainConfig(
+        size=size,
+        out_dir=out,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        log_every=log_every,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+        stop_at=stop_at,
+        max_files=max_files,
+        tokenizer_dir=tokenizer or DEFAULT_TOKENIZER_DIR,
+        device=device,
+    )
+    if budget_s is not None:
+        cfg.steps = estimate_steps(cfg, budget_s)
+        cfg.warmup_steps = None
+        cfg.__post_init__()  # re-derive the warmup from the new step count
+        typer.echo(f"--budget-s {budget_s:g}: {cfg.steps} steps fit")
+    cfg.command = reproducing_command(cfg)
+    train(cfg, log=typer.echo)
+
+
+def reproducing_command(cfg) -> str:
+    """The `kiln zoo train` line for `cfg`, with --steps resolved (budgets differ by machine)."""
+    from kiln.zoo.train import DEFAULT_TOKENIZER_DIR, SIZES
+
+    preset = SIZES[cfg.size]
+    args = ["kiln", "zoo", "train", "--size", cfg.size, "--out", str(cfg.out_dir)]
+    args += ["--steps", str(cfg.steps)]
+    if cfg.batch_size != preset.batch_size:
+        args += ["--batch-size", str(cfg.batch_size)]
+    if cfg.lr != preset.lr:
+        args += ["--lr", f"{cfg.lr:g}"]
+    if cfg.seed != 0:
+        args += ["--seed", str(cfg.seed)]
+    if cfg.max_files is not None:
+        args += ["--max-files", str(cfg.max_files)]
+    if cfg.tokenizer_dir != DEFAULT_TOKENIZER_DIR:
+        args += ["--tokenizer", str(cfg.tokenizer_dir)]
+    return shlex.join(args)
+
+
+@zoo_app.command("tokenizer")
+def tokenizer_cmd(
+    out: Annotated[Path, typer.Option(help="directory for tokenizer.json and its config")],
+    vocab_size: Annotated[int, typer.Option()] = 8192,
+) -> None:
+    """Train the shared byte-level BPE tokenizer on the training split of this stdlib."""
+    from kiln.zoo import corpus
+    from kiln.zoo.tokenizer import save_tokenizer, train_tokenizer
+
+    files = corpus.read_files("train")
+    tokenizer = train_tokenizer(corpus.iter_texts(files), vocab_size=vocab_size)
+    save_tokenizer(tokenizer, out)
+    stats = corpus.corpus_stats(files)
+    typer.echo(
+        f"trained on {stats['num_files']} files ({stats['num_bytes']:,} bytes): "
+        f"vocab {tokenizer.get_vocab_size()} -> {out}"
+    )
+
+
+@zoo_app.command("list")
+def list_cmd() -> None:
+    """The zoo's models and where they are installed."""
+    from kiln.zoo import model_path
+
+    for name, m in ZOO_MODELS.items():
+        try:
+            where = str(model_path(name))
+        except FileNotFoundError:
+            where = "(not installed)"
+        typer.echo(f"{name:18} {m.description}\n{'':18} {where}")
+
+
+if __name__ == "__main__":
+    zoo_app()

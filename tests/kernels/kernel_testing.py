@@ -1,0 +1,99 @@
+"""Helpers shared by the kernel tests: error measure, GPU marker, paged KV fixtures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.kernels._triton import HAS_TRITON
+
+# bf16 is wrong under the Triton interpreter (fp16 and fp32 are right): see shared/GPU.md
+INTERPRET_DTYPES = [torch.float32, torch.float16]
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+def gpu(fn):
+    """Mark a test as GPU-only: deselected by `-m 'not gpu'`, skipped cleanly without CUDA."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    return pytest.mark.gpu(skip(needs_triton(fn)))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf if out has a NaN or Inf."""
+    out64, ref64 = out.double(), ref.double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+
+
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    err = rel_err(out, ref)
+    if not err <= tol:
+        diff = (out.double() - ref.double()).abs().nan_to_num(float("inf"))
+        where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+        raise AssertionError(
+            f"{what}: relative error {err:.3g} > {tol:g}; worst at {where}: "
+            f"{out[where].item():.6g} vs {ref[where].item():.6g}"
+        )
+
+
+def make_paged_kv(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    gen: torch.Generator,
+    spare_blocks: int = 3,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense K/V per sequence, scattered into shuffled pages of random-filled caches.
+
+    Returns (ks, vs, k_cache, v_cache, block_tables): ks[b] is [seq_lens[b], H_kv, D]. Pages not
+    owned by a sequence hold noise, and block-table padding is 0 (a real page of another
+    sequence), so a kernel that reads the wrong page or past the end gets a wrong answer.
+    """
+    pages = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(seq_lens), max(pages) + 2, dtype=torch.int32)
+    ks, vs, used = [], [], 0
+    for b, n in enumerate(seq_lens):
+        ids = perm[used : used + pages[b]]
+        used += pages[b]
+        block_tables[b, : pages[b]] = ids.to(torch.int32)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        k_cache.view(-1, num_kv_heads, head_dim)[_slots(ids, n, block_size)] = k
+        v_cache.view(-1, num_kv_heads, head_dim)[_slots(ids, n, block_size)] = v
+        ks.append(k.to(device))
+        vs.append(v.to(device))
+    return ks, vs, k_cache.to(device), v_cache.to(device), block_tables.to(device)
+
+
+def _slots(block_ids: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+    offsets = torch.arange(block_size)
+    return (block_ids[:, None] * block_size + offsets[None, :]).flatten()[:n]
+
+
+def naive_attention(
+    qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """Dense causal attention per sequence in float64; q is the last q_len positions."""
+    outs = []
+    for q, k, v in zip(qs, ks, vs, strict=True):
+        q_len, num_heads, _ = q.shape
+        kv_len, num_kv_heads, _ = k.shape
+        group = num_heads // num_kv_heads
+        k64 = k.double().repeat_interleave(group, dim=1)  # [kv_len, H, D]
+        v64 = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q.double(), k64) * scale
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v64))
+    return torch.cat(outs)
