@@ -17,7 +17,9 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-KV_CACHE_DTYPES = ("auto",)
+KV_CACHE_DTYPES = ("auto", "fp8")
+# on-the-fly quantization at load (pre-quantized checkpoints declare their own format)
+QUANTIZATION_METHODS = ("fp8", "int8", "int4", "w8a8-int8")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -54,8 +56,11 @@ class ModelConfig:
     max_model_len: int | None = None
     revision: str | None = None
     seed: int = 0
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         if not self.model or not str(self.model).strip():
             raise ValueError("model must be a local directory, a Hugging Face hub id or a zoo name")
         self.dtype = normalize_dtype(self.dtype)

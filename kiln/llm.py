@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from kiln.config import EngineConfig
-from kiln.engine.inputs import PromptLike, check_prompt_length, normalize_prompts, tokenize_prompt
-from kiln.engine.reference import reference_generate
-from kiln.models.loader import load_model
+from kiln.engine.inputs import PromptLike, normalize_prompts
+from kiln.engine.llm_engine import LLMEngine
 from kiln.outputs import RequestOutput
 from kiln.sampling.params import SamplingParams
 
 
-def default_max_model_len(config_len: int | None, max_positions: int,
-                          sliding_window: int | None) -> int:
-    """The context length Kiln serves: the user's choice, bounded by what the model supports."""
-    limit = min(max_positions, sliding_window) if sliding_window else max_positions
-    if config_len is None:
-        return limit
-    if config_len > limit:
-        raise ValueError(f"max_model_len={config_len} exceeds what the model supports ({limit}); "
-                         f"lower --max-model-len")
-    return config_len
-
-
 class LLM:
-    """Load a model once and generate from many prompts.
+    """Load a model once and generate from many prompts with the paged engine.
 
     ``engine_options`` are the engine's flat option names (``block_size``, ``max_num_seqs``,
     ``num_kv_blocks`` ...), the same as the CLI's dashed flags.
@@ -33,24 +21,22 @@ class LLM:
 
     def __init__(self, model: str = "kiln-tiny", dtype: str = "auto", device: str = "auto",
                  **engine_options: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model, dtype=dtype, device=device,
-                                               **engine_options)
-        mc = self.config.model
-        self.loaded = load_model(mc.model, dtype=mc.dtype, device=mc.device,
-                                 load_format=mc.load_format, revision=mc.revision,
-                                 max_model_len=mc.max_model_len, seed=mc.seed)
-        arch = self.loaded.arch
-        self.max_model_len = default_max_model_len(mc.max_model_len, arch.max_position_embeddings,
-                                                   arch.sliding_window)
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, dtype=dtype, device=device,
+                                                         **engine_options))
+        self._ids = itertools.count()
 
     @property
     def tokenizer(self) -> Any:
-        return self.loaded.tokenizer
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     def generate(self, prompts: PromptLike | list[PromptLike],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in order."""
+        """One ``RequestOutput`` per prompt, in the order given."""
         items = normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -59,11 +45,14 @@ class LLM:
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts; pass "
                              f"one, or one per prompt")
-        parsed = [tokenize_prompt(p, self.tokenizer, self.loaded.arch.vocab_size) for p in items]
-        for p in parsed:
-            check_prompt_length(len(p.token_ids), self.max_model_len)
-        outputs = reference_generate(self.loaded, [p.token_ids for p in parsed], params,
-                                     self.max_model_len)
-        for out, p in zip(outputs, parsed, strict=True):
-            out.prompt = p.text
-        return outputs
+        request_ids: list[str] = []
+        try:
+            for prompt, p in zip(items, params, strict=True):
+                request_ids.append(str(next(self._ids)))
+                self.engine.add_request(request_ids[-1], prompt, p)
+        except (ValueError, TypeError):
+            for rid in request_ids:  # all or nothing: a bad prompt queues none of them
+                self.engine.abort_request(rid)
+            raise
+        finished = {o.request_id: o for o in self.engine.run_to_completion()}
+        return [finished[rid] for rid in request_ids]

@@ -12,8 +12,8 @@ import torch
 
 from kiln.outputs import CompletionOutput, TokenLogprobs
 from kiln.sampling.detokenizer import IncrementalDetokenizer
-from kiln.sampling.stop import StopChecker
 from kiln.sampling.params import SamplingParams
+from kiln.sampling.stop import StopChecker
 
 
 class Sequence:
@@ -28,6 +28,7 @@ class Sequence:
         self.max_model_len = max_model_len
         self.generator = generator
         self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (paged engine only)
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
@@ -50,6 +51,13 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (decode reads one token)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
     def append_token(self, token_id: int, logprob: float | None = None,
                      top_logprobs: TokenLogprobs | None = None) -> str:

@@ -112,7 +112,7 @@ def encode_documents(
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     stream: list[int] = []
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         stream += ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])
         if max_tokens is not None and len(stream) >= max_tokens:
             break

@@ -11,8 +11,12 @@ import torch
 from torch import nn
 
 from kiln.layers.activation import SiluAndMul
-from kiln.layers.attention import (Attention, AttentionMetadata, contiguous_kv_caches,
-                                   contiguous_metadata)
+from kiln.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    contiguous_kv_caches,
+    contiguous_metadata,
+)
 from kiln.layers.embedding import LMHead, VocabParallelEmbedding
 from kiln.layers.linear import column_parallel, row_parallel
 from kiln.layers.norm import RMSNorm

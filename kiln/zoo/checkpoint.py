@@ -60,10 +60,11 @@ def read_log(out_dir: Path) -> list[dict[str, float | None]]:
 def _truncate_log(out_dir: Path, last_step: int) -> None:
     # Rows logged after the checkpoint were lost with the interrupted run; the resumed run
     # logs those steps again, so drop them rather than keep two copies.
-    rows = [r for r in read_log(out_dir) if r["step"] <= last_step]
-    (out_dir / LOG_NAME).unlink(missing_ok=True)
-    for r in rows:
-        append_log(out_dir, [r[c] for c in LOG_COLUMNS])
+    path = out_dir / LOG_NAME
+    if not path.is_file():
+        return
+    header, *rows = path.read_text().splitlines(keepends=True)
+    path.write_text(header + "".join(r for r in rows if int(r.split(",")[0]) <= last_step))
 
 
 def save_checkpoint(ckpt_dir: Path, model: torch.nn.Module, optimizer, state: TrainState) -> None:

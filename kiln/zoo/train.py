@@ -68,7 +68,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 200
-    eval_chunks: int = 8
+    eval_chunks: int = 16
     checkpoint_every: int = 500
     stop_at: int | None = None  # end this invocation after that step (resume later)
     max_files: int | None = None  # first N files of each split (tests)

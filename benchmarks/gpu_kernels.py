@@ -1,0 +1,272 @@
+"""Check and time every Kiln kernel on one GPU, in one run; write JSON and print a table last.
+
+    PYTHONPATH=. python3 benchmarks/gpu_kernels.py --out $OUT/kernels.json
+
+Each kernel's Triton path is compared with its PyTorch reference on fresh random inputs, then
+timed with triton.testing.do_bench (median, ms) at the target shapes; the rate is set against the
+ceilings measured on the H100 (shared/GPU.md). The attention kernels are also timed over a few
+tile configurations, and torch SDPA (flash, cuDNN) on the same problem for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import triton
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kiln.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kiln.kernels.attention import paged_attention_ref
+from kiln.kernels.attention_decode import paged_attention_decode_triton
+from kiln.kernels.attention_prefill import PREFILL_CONFIGS, paged_attention_prefill_triton
+from kiln.kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
+from kiln.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kiln.kernels.rotary import apply_rotary_ref, apply_rotary_triton
+
+COPY_GBPS = 2831.0  # device-to-device copy, read + write (H100, shared/GPU.md)
+BF16_TFLOPS = 770.0  # cuBLAS bf16 GEMM 8192^3
+DTYPE = torch.bfloat16
+BF16_TOL = 1e-2  # bf16 outputs: one rounding of 2^-8 relative plus bf16 probabilities
+PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)]
+DECODE_SWEEP = [(64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3), (64, 4, 4)]
+
+results: list[dict] = []
+sweeps: list[dict] = []
+
+
+def bench_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float("inf") if not torch.isfinite(out).all() else ((out - ref).norm() / ref.norm()).item()
+
+
+def record(name, shape, ms, *, gbytes=None, tflop=None, err=None, baseline_ms=None, extra=None):
+    row = {"kernel": name, "shape": shape, "dtype": str(DTYPE), "ms": ms, "rel_err": err}
+    if gbytes is not None:
+        row.update(gb_s=gbytes / (ms * 1e-3), ceiling="copy 2831 GB/s")
+        row["ratio"] = row["gb_s"] / COPY_GBPS
+    if tflop is not None:
+        row.update(tflop_s=tflop / (ms * 1e-3), ceiling="bf16 GEMM 770 TFLOP/s")
+        row["ratio"] = row["tflop_s"] / BF16_TFLOPS
+    if baseline_ms is not None:
+        row["reference_ms"] = baseline_ms
+    row["ok"] = err is not None and err <= BF16_TOL
+    row.update(extra or {})
+    results.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def bench_rms_norm(num_tokens=8192, hidden=4096):
+    x, res = (torch.randn(num_tokens, hidden, device="cuda", dtype=DTYPE) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE)
+    for with_res in (True, False):
+        r = res if with_res else None
+        out = rms_norm_triton(x, weight, 1e-5, r)
+        ref = rms_norm_ref(x.float(), weight.float(), 1e-5, None if r is None else r.float())
+        if with_res:
+            err = max(rel_err(out[0], ref[0]), rel_err(out[1], ref[1]))
+        else:
+            err = rel_err(out, ref)
+        ms = bench_ms(lambda r=r: rms_norm_triton(x, weight, 1e-5, r))
+        eager_ms = bench_ms(lambda r=r: rms_norm_ref(x, weight, 1e-5, r))
+        tensors = 4 if with_res else 2  # reads x (+ residual), writes out (+ new residual)
+        name = "rms_norm+residual" if with_res else "rms_norm"
+        gbytes = tensors * x.numel() * x.element_size() / 1e9
+        record(name, [num_tokens, hidden], ms, gbytes=gbytes, err=err, baseline_ms=eager_ms)
+
+
+def bench_silu_and_mul(num_tokens=8192, inter=14336):
+    x = torch.randn(num_tokens, 2 * inter, device="cuda", dtype=DTYPE)
+    err = rel_err(silu_and_mul_triton(x), silu_and_mul_ref(x.float()))
+    ms = bench_ms(lambda: silu_and_mul_triton(x))
+    eager_ms = bench_ms(lambda: silu_and_mul_ref(x))
+    gbytes = 1.5 * x.numel() * x.element_size() / 1e9  # read 2I, write I
+    record("silu_and_mul", [num_tokens, 2 * inter], ms, gbytes=gbytes, err=err, baseline_ms=eager_ms)
+
+
+def bench_rotary(num_tokens=8192, num_heads=32, num_kv_heads=8, head_dim=128):
+    q = torch.randn(num_tokens, num_heads, head_dim, device="cuda", dtype=DTYPE)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=DTYPE)
+    positions = torch.randint(0, 8192, (num_tokens,), device="cuda")
+    angles = torch.rand(8192, head_dim // 2, device="cuda") * 6.3
+    cache = torch.cat((angles.cos(), angles.sin()), -1)
+    q_out, k_out = apply_rotary_triton(q, k, positions, cache)
+    q_ref, k_ref = apply_rotary_ref(q.float(), k.float(), positions, cache)
+    err = max(rel_err(q_out, q_ref), rel_err(k_out, k_ref))
+    ms = bench_ms(lambda: apply_rotary_triton(q, k, positions, cache))
+    eager_ms = bench_ms(lambda: apply_rotary_ref(q, k, positions, cache))
+    gbytes = 2 * (q.numel() + k.numel()) * q.element_size() / 1e9
+    record("rotary", [num_tokens, num_heads, num_kv_heads, head_dim], ms, gbytes=gbytes, err=err,
+           baseline_ms=eager_ms)  # fmt: skip
+
+
+def bench_kv_cache(num_tokens=8192, num_kv_heads=8, head_dim=128, block_size=16):
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=DTYPE) for _ in "kv")
+    num_blocks = 4 * num_tokens // block_size
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.randn(shape, device="cuda", dtype=DTYPE) for _ in range(4)]
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    write_kv_cache_triton(k, v, caches[0], caches[1], slots)
+    write_kv_cache_ref(k, v, caches[2], caches[3], slots)
+    err = max(rel_err(caches[0], caches[2]), rel_err(caches[1], caches[3]))
+    ms = bench_ms(lambda: write_kv_cache_triton(k, v, caches[0], caches[1], slots))
+    eager_ms = bench_ms(lambda: write_kv_cache_ref(k, v, caches[2], caches[3], slots))
+    gbytes = 4 * k.numel() * k.element_size() / 1e9
+    record("write_kv_cache", [num_tokens, num_kv_heads, head_dim], ms, gbytes=gbytes, err=err,
+           baseline_ms=eager_ms)  # fmt: skip
+
+
+def paged_problem(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size=16):
+    """Random q and caches with each sequence's pages scattered over a shuffled pool."""
+    pages = [triton.cdiv(n, block_size) for n in seq_lens]
+    num_blocks = sum(pages)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+    block_tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device="cuda")
+    start = 0
+    for b, n in enumerate(pages):
+        block_tables[b, :n] = perm[start : start + n]
+        start += n
+    q = torch.randn(sum(q_lens), num_heads, head_dim, device="cuda", dtype=DTYPE)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, cu.cuda(), seq, block_tables, max(q_lens), max(seq_lens))
+    return args, head_dim**-0.5
+
+
+def dense_kv(args):
+    """The same K/V gathered into contiguous [B, H_kv, L, D] tensors (equal lengths only)."""
+    q, k_cache, v_cache, _, seq, block_tables, _, max_k = args
+    k = k_cache[block_tables.long()].flatten(1, 2)[:, :max_k].transpose(1, 2).contiguous()
+    v = v_cache[block_tables.long()].flatten(1, 2)[:, :max_k].transpose(1, 2).contiguous()
+    return k, v
+
+
+def time_sdpa(q, k, v, causal, backend):
+    try:
+        with sdpa_kernel(backend):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return bench_ms(
+                lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            )
+    except Exception as exc:  # a backend may not support the shape here
+        print(f"sdpa {backend}: {exc!r}", flush=True)
+        return None
+
+
+def bench_prefill(batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128):
+    args, scale = paged_problem([seq_len] * batch, [seq_len] * batch, num_heads, num_kv_heads,
+                                head_dim)  # fmt: skip
+    ref = paged_attention_ref(*args, scale)
+    tflop = 4 * batch * num_heads * seq_len * seq_len * head_dim / 2 / 1e12  # causal half
+    best = None
+    configs = [PREFILL_CONFIGS[head_dim]] + [c for c in PREFILL_SWEEP if c != PREFILL_CONFIGS[head_dim]]
+    for config in configs:
+        try:
+            out = paged_attention_prefill_triton(*args, scale, config=config)
+            err = rel_err(out, ref)
+            ms = bench_ms(lambda c=config: paged_attention_prefill_triton(*args, scale, config=c))
+        except Exception as exc:
+            print(f"prefill config {config}: {exc!r}", flush=True)
+            continue
+        sweeps.append({"kernel": "prefill", "head_dim": head_dim, "config": config, "ms": ms,
+                       "tflop_s": tflop / (ms * 1e-3), "rel_err": err})  # fmt: skip
+        print(json.dumps(sweeps[-1]), flush=True)
+        if best is None or ms < best[1]:
+            best = (config, ms, err)
+    q = args[0].view(batch, seq_len, num_heads, head_dim).transpose(1, 2)
+    k, v = (t.repeat_interleave(num_heads // num_kv_heads, 1) for t in dense_kv(args))
+    extra = {"config": best[0], "default_config": PREFILL_CONFIGS[head_dim]}
+    for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        sdpa_ms = time_sdpa(q, k, v, True, backend)
+        extra[f"sdpa_{label}_tflop_s"] = None if sdpa_ms is None else tflop / (sdpa_ms * 1e-3)
+    shape = [batch, seq_len, num_heads, num_kv_heads, head_dim]
+    record(f"prefill_causal_d{head_dim}", shape, best[1], tflop=tflop, err=best[2], extra=extra)
+
+
+def bench_decode(batch, ctx, num_heads=32, num_kv_heads=8, head_dim=128):
+    args, scale = paged_problem([ctx] * batch, [1] * batch, num_heads, num_kv_heads, head_dim)
+    ref = paged_attention_ref(*args, scale)
+    gbytes = 2 * batch * ctx * num_kv_heads * head_dim * 2 / 1e9  # K and V, read once
+    best = None
+    for config in DECODE_SWEEP:
+        for splits in (None, 1, 2, 4, 8, 16):
+            kw = {"config": config, "num_splits": splits}
+            try:
+                out = paged_attention_decode_triton(*args, scale, **kw)
+                err = rel_err(out, ref)
+                ms = bench_ms(lambda kw=kw: paged_attention_decode_triton(*args, scale, **kw))
+            except Exception as exc:
+                print(f"decode {kw}: {exc!r}", flush=True)
+                continue
+            row = {"kernel": f"decode_b{batch}_ctx{ctx}", **kw, "ms": ms,
+                   "gb_s": gbytes / (ms * 1e-3), "rel_err": err}  # fmt: skip
+            sweeps.append(row)
+            print(json.dumps(row), flush=True)
+            if splits is None and (best is None or ms < best[1]):
+                best = (config, ms, err)
+    q = args[0].view(batch, 1, num_heads, head_dim).transpose(1, 2)
+    k, v = (t.repeat_interleave(num_heads // num_kv_heads, 1) for t in dense_kv(args))
+    sdpa_ms = time_sdpa(q, k, v, False, SDPBackend.FLASH_ATTENTION)
+    extra = {"config": best[0], "num_splits": "auto",
+             "sdpa_flash_dense_gb_s": None if sdpa_ms is None else gbytes / (sdpa_ms * 1e-3)}  # fmt: skip
+    shape = [batch, ctx, num_heads, num_kv_heads, head_dim]
+    record(f"decode_b{batch}_ctx{ctx}", shape, best[1], gbytes=gbytes, err=best[2], extra=extra)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.json"))
+    opts = parser.parse_args()
+    torch.manual_seed(int(datetime.datetime.now().timestamp()))  # fresh inputs every run
+    steps = [
+        bench_rms_norm, bench_silu_and_mul, bench_rotary, bench_kv_cache,
+        bench_prefill, lambda: bench_prefill(head_dim=64, num_heads=32, num_kv_heads=32),
+        lambda: bench_decode(64, 1024), lambda: bench_decode(8, 16384),
+    ]  # fmt: skip
+    errors = []
+    for step in steps:
+        try:
+            step()
+        except Exception:
+            errors.append(traceback.format_exc())
+            print(errors[-1], file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "ceilings": {"copy_gb_s": COPY_GBPS, "bf16_gemm_tflop_s": BF16_TFLOPS},
+        "results": results,
+        "sweeps": sweeps,
+        "errors": errors,
+    }
+    with open(opts.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\n{report['device']}  torch {report['torch']}  triton {report['triton']}")
+    print(f"{'kernel':<22}{'ms':>9}{'rate':>16}{'of ceiling':>12}{'rel err':>10}  ok")
+    for r in results:
+        rate = f"{r['gb_s']:.0f} GB/s" if "gb_s" in r else f"{r['tflop_s']:.0f} TFLOP/s"
+        ref = f"  eager {r['reference_ms']:.3f} ms" if "reference_ms" in r else ""
+        sdpa = {k: round(v) for k, v in r.items() if k.startswith("sdpa") and v is not None}
+        print(f"{r['kernel']:<22}{r['ms']:9.3f}{rate:>16}{r['ratio']:12.1%}{r['rel_err']:10.1e}"
+              f"  {r['ok']}{ref} {sdpa or ''}")  # fmt: skip
+    print(f"{len(errors)} step(s) failed" if errors else "all steps ran")
+
+
+if __name__ == "__main__":
+    main()

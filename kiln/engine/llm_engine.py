@@ -1,0 +1,183 @@
+"""The synchronous engine: add requests, call ``step()`` until none are left.
+
+Each step schedules (scheduler), runs the model once over the flat batch (model runner), then
+updates every sequence: computed counts, prefix-cache hashes, sampled tokens, stop checks, the
+fork of multi-sample requests, and freeing the blocks of whatever finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kiln.cache.kv_cache import KVCache
+from kiln.cache.kv_cache_manager import KVCacheManager
+from kiln.config import EngineConfig
+from kiln.engine.inputs import PromptLike, check_prompt_length, tokenize_prompt
+from kiln.engine.model_runner import ModelRunner, StepResult
+from kiln.engine.request import Request, RequestStatus
+from kiln.engine.scheduler import Scheduler, SchedulerOutput
+from kiln.engine.sequence import apply_sampler_output, prompt_logprobs_to_dicts
+from kiln.engine.sizing import attention_backend_for, num_kv_blocks_for, resolve_max_model_len
+from kiln.engine.stats import EngineStats
+from kiln.models.loader import LoadedModel, load_model
+from kiln.outputs import RequestOutput
+from kiln.sampling.params import SamplingParams
+
+log = logging.getLogger("kiln.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        mc = config.model
+        self.loaded = loaded or load_model(
+            mc.model, dtype=mc.dtype, device=mc.device, load_format=mc.load_format,
+            revision=mc.revision, max_model_len=mc.max_model_len, seed=mc.seed)
+        arch = self.loaded.arch
+        self.max_model_len = resolve_max_model_len(mc.max_model_len, arch)
+        self.backend = attention_backend_for(config.attention_backend, self.loaded.device,
+                                             arch.head_dim)
+        cc = config.cache
+        start = time.perf_counter()
+        num_blocks, num_cpu_blocks = num_kv_blocks_for(config, self.loaded, self.max_model_len)
+        self.kv_cache = KVCache(arch.num_layers, num_blocks, cc.block_size,
+                                self.loaded.model.num_kv_heads, arch.head_dim, self.loaded.dtype,
+                                self.loaded.device, num_cpu_blocks=num_cpu_blocks)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                 num_cpu_blocks=num_cpu_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.loaded, self.kv_cache, self.kv, self.backend)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats(num_kv_blocks=num_blocks)
+        self.startup_seconds = {"load_weights": self.loaded.load_seconds,
+                                "size_and_allocate_kv": time.perf_counter() - start}
+        log.info("KV cache: %d blocks of %d tokens (%d tokens), %d CPU swap blocks; attention "
+                 "backend %s; max_model_len %d", num_blocks, cc.block_size,
+                 num_blocks * cc.block_size, num_cpu_blocks, self.backend, self.max_model_len)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptLike, params: SamplingParams,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue a request; bad input raises ValueError and changes nothing."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a kiln.SamplingParams")
+        parsed = tokenize_prompt(prompt, self.tokenizer, self.loaded.arch.vocab_size)
+        check_prompt_length(len(parsed.token_ids), self.max_model_len)
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs="
+                             f"{self.config.scheduler.max_num_seqs}")
+        request = Request(request_id, parsed.token_ids, params, self.loaded.eos_token_ids,
+                          self.max_model_len, self.tokenizer, self.loaded.device,
+                          prompt=parsed.text, arrival_time=arrival_time)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks; unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.remove(request)
+        request.abort()
+        request.metrics.finished_time = time.monotonic()
+        self.stats.finished_by_reason["abort"] += 1
+        return request.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the requests that progressed (or finished)."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            self.runner.apply_cache_ops(out)
+            self._refresh_gauges()
+            return []
+        now = time.monotonic()
+        for item in out.scheduled:
+            if item.request.metrics.first_scheduled_time is None:
+                item.request.metrics.first_scheduled_time = now
+        result = self.runner.execute(out)
+        outputs = self._update(out, result)
+        self._refresh_gauges()
+        return outputs
+
+    def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            touched[item.request.request_id] = item.request
+        for item, lps in result.prompt_logprobs:
+            start = item.seq.num_computed_tokens - item.num_new_tokens
+            ids = item.request.prompt_token_ids[start:start + lps.token_logprobs.shape[0] + 1]
+            item.request.prompt_logprobs += prompt_logprobs_to_dicts(
+                lps, ids, item.request.params.prompt_logprobs)[1:]
+        apply_sampler_output(result.seqs, result.token_ids, result.logprobs)
+        self.stats.generation_tokens += len(result.seqs)
+        now = time.monotonic()
+        for request in touched.values():
+            if not request.forked and request.seqs[0].output_token_ids:
+                self._fork(request)
+            if any(s.output_token_ids for s in request.seqs):
+                metrics = request.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                    self.stats.prompt_tokens += len(request.prompt_token_ids)
+                metrics.token_times.append(now)
+            for seq in request.seqs:
+                if seq.finished:
+                    self.kv.free(seq.seq_id)
+            if request.finished:
+                self._finish(request, now)
+        return [r.output() for r in touched.values()]
+
+    def _fork(self, request: Request) -> None:
+        parent = request.seqs[0]
+        for child in request.seqs[1:]:
+            self.kv.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+        request.forked = True
+
+    def _finish(self, request: Request, now: float) -> None:
+        request.status = RequestStatus.FINISHED
+        request.metrics.finished_time = now
+        if request in self.scheduler.running:
+            self.scheduler.running.remove(request)
+        self.requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            self.stats.finished_by_reason[seq.finish_reason] += 1
+
+    def _refresh_gauges(self) -> None:
+        s, kv = self.stats, self.kv
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_swapped = len(self.scheduler.swapped)
+        s.kv_usage = kv.usage
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries = kv.stats.prefix_cache_queries
+        s.prefix_cache_hits = kv.stats.prefix_cache_hits
+
+    def run_to_completion(self) -> list[RequestOutput]:
+        """Step until idle; the final output of every request, in finishing order."""
+        finished: list[RequestOutput] = []
+        while self.has_unfinished_requests():
+            finished += [o for o in self.step() if o.finished]
+        return finished

@@ -1,0 +1,140 @@
+"""Runs one scheduled step on the model: flat inputs in, sampled tokens out.
+
+The batch is flat and unpadded: the new tokens of every scheduled sequence laid end to end, with
+flash-attention style metadata (``cu_seqlens_q``, ``seq_lens``, ``slot_mapping``,
+``block_tables``). Logits are computed only at the rows that sample (and at prompt rows whose
+logprobs were asked for).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.cache.kv_cache import KVCache
+from kiln.cache.kv_cache_manager import KVCacheManager
+from kiln.engine.scheduler import ScheduledSeq, SchedulerOutput
+from kiln.engine.sequence import Sequence
+from kiln.layers.attention import AttentionMetadata
+from kiln.models.loader import LoadedModel
+from kiln.sampling.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+)
+
+
+@dataclass
+class StepResult:
+    seqs: list[Sequence]  # one per sampled row (a request's fork step contributes n rows)
+    token_ids: torch.Tensor  # [num_rows]
+    logprobs: LogprobsTensors | None
+    prompt_logprobs: list[tuple[ScheduledSeq, LogprobsTensors]]
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, kv: KVCacheManager,
+                 attention_backend: str) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.kv_cache = kv_cache
+        self.kv = kv
+        self.block_size = kv_cache.block_size
+        self.backend = attention_backend
+        self.sampler = Sampler()
+        self.kv_caches = list(zip(kv_cache.k_caches, kv_cache.v_caches, strict=True))
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
+        tokens: list[int] = []
+        starts, lens, tables = [], [], []
+        for item in scheduled:
+            start = item.seq.num_computed_tokens
+            tokens += item.seq.token_slice(start, start + item.num_new_tokens)
+            starts.append(start)
+            lens.append(item.num_new_tokens)
+            tables.append(self.kv.block_table(item.seq.seq_id))
+        starts_np, lens_np = np.array(starts), np.array(lens)
+        # positions of every new token, e.g. starts [5, 0], lens [2, 3] -> [5, 6, 0, 1, 2]
+        cu = np.concatenate([[0], np.cumsum(lens_np)])
+        positions = np.arange(cu[-1]) - np.repeat(cu[:-1] - starts_np, lens_np)
+        max_blocks = max(len(t) for t in tables)
+        table_np = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        for row, table in enumerate(tables):
+            table_np[row, : len(table)] = table
+        seq_rows = np.repeat(np.arange(len(tables)), lens_np)
+        slots = (table_np[seq_rows, positions // self.block_size].astype(np.int64)
+                 * self.block_size + positions % self.block_size)
+        seq_lens = starts_np + lens_np
+        to = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
+            self.device, dtype=dtype, non_blocking=True)
+        meta = AttentionMetadata(
+            slot_mapping=to(slots, torch.int64), cu_seqlens_q=to(cu, torch.int32),
+            seq_lens=to(seq_lens, torch.int32), block_tables=to(table_np, torch.int32),
+            max_seqlen_q=int(lens_np.max()), max_seqlen_k=int(seq_lens.max()),
+            kv_caches=self.kv_caches, backend=self.backend)
+        return BatchInputs(to(np.array(tokens), torch.int64), to(positions, torch.int64), meta)
+
+    def apply_cache_ops(self, out: SchedulerOutput) -> None:
+        if out.swap_out:
+            self.kv_cache.swap_out(out.swap_out)
+        if out.swap_in:
+            self.kv_cache.swap_in(out.swap_in)
+        if out.copies:
+            self.kv_cache.copy_blocks(out.copies)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self.apply_cache_ops(out)
+        scheduled = out.scheduled
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
+        prompt_lps = self._prompt_logprobs(scheduled, hidden, ends)
+        rows, seqs = [], []
+        for item, end in zip(scheduled, ends, strict=True):
+            if not item.samples:
+                continue
+            # a request's first sample forks: its last prompt row is sampled once per sequence
+            group = item.request.seqs if not item.request.forked else [item.seq]
+            rows += [int(end)] * len(group)
+            seqs += group
+        if not rows:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return StepResult([], empty, None, prompt_lps)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        meta = SamplingMetadata.build(
+            [s.params for s in seqs], [s.generator for s in seqs],
+            [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
+            self.device, self.loaded.eos_token_ids)
+        sampled = self.sampler.sample(logits, meta)
+        return StepResult(seqs, sampled.token_ids, sampled.logprobs, prompt_lps)
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor,
+                         ends: np.ndarray) -> list[tuple[ScheduledSeq, LogprobsTensors]]:
+        results = []
+        for item, end in zip(scheduled, ends, strict=True):
+            request = item.request
+            start = item.seq.num_computed_tokens
+            num_prompt = len(request.prompt_token_ids)
+            # only the first pass over the prompt; a recompute after preemption adds nothing
+            if (request.prompt_logprobs is None or item.seq.index != 0
+                    or start + 1 != len(request.prompt_logprobs) or start >= num_prompt - 1):
+                continue
+            stop = min(start + item.num_new_tokens, num_prompt - 1)
+            first = int(end) - item.num_new_tokens + 1
+            logits = self.model.compute_logits(hidden[first:first + stop - start])
+            ids = request.prompt_token_ids[start:stop + 1]
+            results.append((item, compute_prompt_logprobs(logits, ids,
+                                                          request.params.prompt_logprobs)))
+        return results

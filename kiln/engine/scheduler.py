@@ -1,0 +1,184 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step has a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``). Running requests go first (a decode costs one token, an unfinished prompt a
+chunk of what is left), then swapped requests come back, then waiting requests are admitted in
+arrival order with as much of their prompt as the budget allows. When KV blocks run out, the most
+recently arrived running request is preempted whole: by recompute (its blocks are freed; its
+prompt and outputs are prefilled again later) or by swap (its blocks move to CPU memory).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.cache.kv_cache_manager import KVCacheManager
+from kiln.config import SchedulerConfig
+from kiln.engine.request import Request, RequestStatus
+from kiln.engine.sequence import Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the sequence's last token, so its logits pick the next one."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def free_request(self, request: Request) -> None:
+        for seq in request.seqs:
+            self.kv.free(seq.seq_id)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of whichever queue holds it and release its blocks."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        self.free_request(request)
+
+    def num_running_seqs(self) -> int:
+        return sum(len(r.active_seqs()) for r in self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda r: r.arrival_time)
+        queue = list(self.running)
+        kept: list[Request] = []
+        while queue:
+            request = queue.pop(0)
+            chunks = self._chunks(request, budget)
+            if chunks is None:  # budget exhausted: stays running, scheduled next step
+                kept.append(request)
+                continue
+            while not self._allocate(chunks):
+                # newest arrival first; the queue is sorted, so its tail is the newest
+                victim = queue.pop() if queue else request
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                kept.append(request)
+                out.scheduled += [ScheduledSeq(request, s, n) for s, n in chunks]
+                budget -= sum(n for _, n in chunks)
+        self.running = kept
+        if out.num_preempted == 0:
+            self._swap_in(out)
+            budget = self._admit_waiting(out, budget)
+        out.copies = self.kv.take_pending_copies()
+        return out
+
+    def _chunks(self, request: Request, budget: int) -> list[tuple[Sequence, int]] | None:
+        """(sequence, tokens to compute) for the request, or None if the budget cannot cover it.
+
+        Decodes need one token per sequence and are all-or-nothing (a request's samples move
+        together); a prompt may be cut to fit what is left of the budget.
+        """
+        chunks, left = [], budget
+        for seq in request.active_seqs():
+            need = seq.num_tokens - seq.num_computed_tokens
+            take = min(need, left)
+            if take <= 0:
+                return None
+            chunks.append((seq, take))
+            left -= take
+        return chunks or None
+
+    def _allocate(self, chunks: list[tuple[Sequence, int]]) -> bool:
+        return all(self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n,
+                                          seq.num_computed_tokens) for seq, n in chunks)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        seq_ids = [s.seq_id for s in request.active_seqs()]
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
+            out.swap_out += self.kv.swap_out(seq_ids)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            return
+        self.free_request(request)
+        for seq in request.seqs:
+            seq.num_computed_tokens = 0  # prompt and outputs are prefilled again on readmission
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        while self.swapped:
+            request = self.swapped[0]
+            seq_ids = [s.seq_id for s in request.active_seqs()]
+            if (self.num_running_seqs() + len(seq_ids) > self.config.max_num_seqs
+                    or not self.kv.can_swap_in(seq_ids)):
+                return
+            out.swap_in += self.kv.swap_in(seq_ids)
+            self.swapped.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        # requests come back from swap before new ones start, to keep the order fair
+        if self.swapped:
+            return budget
+        num_seqs = self.num_running_seqs()
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            seqs = request.active_seqs()
+            if num_seqs + len(seqs) > self.config.max_num_seqs:
+                break
+            for seq in seqs:
+                if seq.num_computed_tokens == 0 and request.prompt_logprobs is None:
+                    # prompt logprobs need every position computed, so they skip the cache
+                    seq.num_computed_tokens = self.kv.match_prefix(seq.seq_id, seq.token_ids)
+                    if request.metrics.first_token_time is None:
+                        request.metrics.num_cached_tokens = seq.num_computed_tokens
+            chunks = self._chunks(request, budget)
+            if chunks is None or not self._allocate(chunks):
+                self.free_request(request)  # drop prefix references; nothing was computed
+                for seq in seqs:
+                    seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled += [ScheduledSeq(request, s, n) for s, n in chunks]
+            budget -= sum(n for _, n in chunks)
+            num_seqs += len(seqs)
+        return budget

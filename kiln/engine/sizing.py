@@ -1,0 +1,107 @@
+"""Start-up decisions: context length, attention backend, and how many KV blocks fit."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+from kiln.cache.kv_cache import KVCache
+from kiln.config import EngineConfig
+from kiln.layers.attention import contiguous_kv_caches, contiguous_metadata
+from kiln.models.arch import ArchConfig
+from kiln.models.loader import LoadedModel
+
+log = logging.getLogger("kiln.engine")
+GB = 1 << 30
+TRITON_HEAD_DIMS = (64, 128)
+
+
+def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
+    """The context length Kiln serves: the user's choice, bounded by what the model supports."""
+    limit = arch.max_position_embeddings
+    if arch.sliding_window and arch.sliding_window < limit:
+        # Kiln attends over the full context; past the window Mistral v0.1 would differ
+        limit = arch.sliding_window
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds what the model supports ({limit}); "
+                         f"lower --max-model-len")
+    return requested
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def attention_backend_for(requested: str, device: torch.device, head_dim: int) -> str:
+    if requested == "triton" and device.type != "cuda":
+        raise ValueError("attention_backend='triton' needs a CUDA device; use 'torch' or 'auto'")
+    if requested != "auto":
+        return requested
+    if device.type != "cuda" or not triton_available():
+        return "torch"
+    if head_dim not in TRITON_HEAD_DIMS:
+        warnings.warn(f"head_dim={head_dim} has no Triton attention kernel "
+                      f"({TRITON_HEAD_DIMS}); using the torch backend", stacklevel=2)
+        return "torch"
+    return "triton"
+
+
+def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: int) -> int:
+    """Run the largest prefill a step can hold and measure what it needed beyond the weights."""
+    model, arch, device = loaded.model, loaded.arch, loaded.device
+    seq_len = min(num_tokens, max_model_len - 1)
+    num_seqs = max(1, num_tokens // seq_len)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    caches = contiguous_kv_caches(arch.num_layers, num_seqs, seq_len, model.num_kv_heads,
+                                  arch.head_dim, loaded.dtype, device)
+    meta = contiguous_metadata([0] * num_seqs, [seq_len] * num_seqs, seq_len, caches, device)
+    ids = torch.randint(0, arch.vocab_size, (num_seqs * seq_len,), device=device)
+    positions = torch.arange(seq_len, device=device).repeat(num_seqs)
+    with torch.inference_mode():
+        hidden = model(ids, positions, meta)
+        model.compute_logits(hidden[-min(num_seqs * seq_len, 256):])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del caches, meta, hidden
+    torch.cuda.empty_cache()
+    return peak
+
+
+def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel,
+                      max_model_len: int) -> tuple[int, int]:
+    """(GPU-or-CPU pool blocks, CPU swap blocks), failing clearly if one request cannot fit."""
+    cc, arch = config.cache, loaded.arch
+    per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, loaded.model.num_kv_heads,
+                                        arch.head_dim, loaded.dtype)
+    knob = "num_kv_blocks"
+    if cc.num_kv_blocks is not None:
+        num_blocks = cc.num_kv_blocks
+    elif loaded.device.type == "cuda":
+        knob = "gpu_memory_utilization"
+        peak = _peak_activation_bytes(loaded, config.scheduler.max_num_batched_tokens,
+                                      max_model_len)
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        budget = cc.gpu_memory_utilization * total - (total - free) - peak
+        num_blocks = max(0, int(budget // per_block))
+    else:
+        knob = "cpu_kv_cache_space"
+        num_blocks = int(cc.cpu_kv_cache_space * GB // per_block)
+    needed = -(-max_model_len // cc.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks ({num_blocks * cc.block_size} tokens) but one "
+            f"request of max_model_len={max_model_len} needs {needed} blocks; raise {knob} or "
+            f"lower max_model_len")
+    num_cpu_blocks = (int(cc.swap_space * GB // per_block)
+                      if config.scheduler.preemption_mode == "swap" else 0)
+    return num_blocks, num_cpu_blocks

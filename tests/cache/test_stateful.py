@@ -1,0 +1,162 @@
+"""Random add / step / fork / abort / swap sequences, checked against a model of KV contents.
+
+The model writes, for token p of a sequence, a value standing for its KV (a hash of the tokens
+up to p) into the block the manager's table names, and replays the copy and swap pairs the
+manager hands out. After every rule each running sequence must read back its own values for
+every computed token: that checks prefix matches, copy-on-write and swaps end to end, beyond
+the bookkeeping that check_integrity() verifies.
+"""
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kiln.cache import KVCacheManager
+
+BS = 4
+NUM_GPU_BLOCKS = 12
+NUM_CPU_BLOCKS = 8
+tokens_st = st.integers(0, 1)  # a tiny alphabet so prompts share prefixes often
+
+
+def kv_value(tokens: list[int], pos: int) -> int:
+    return hash(tuple(tokens[: pos + 1]))
+
+
+class CacheMachine(RuleBasedStateMachine):
+    @initialize(prefix=st.booleans())
+    def setup(self, prefix: bool) -> None:
+        self.prefix = prefix
+        self.m = KVCacheManager(NUM_GPU_BLOCKS, BS, prefix, num_cpu_blocks=NUM_CPU_BLOCKS)
+        self.gpu: dict[int, dict[int, int]] = {}  # block -> {offset: kv value}
+        self.cpu: dict[int, dict[int, int]] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.group: dict[int, int] = {}  # seq -> id of the request its samples belong to
+        self.swapped: set[int] = set()
+        self.next_id = 0
+
+    def running(self) -> list[int]:
+        return sorted(s for s in self.tokens if s not in self.swapped)
+
+    def members(self, group: int) -> list[int]:
+        return sorted(s for s, g in self.group.items() if g == group)
+
+    def snapshot(self) -> tuple:
+        pool = self.m.gpu_pool
+        return (
+            pool.free_block_ids(),
+            [pool.ref_count(b) for b in range(NUM_GPU_BLOCKS)],
+            pool.cached_block_ids(),
+            {s: self.m.block_table(s) for s in self.running()},
+        )
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    @rule(prompt=st.lists(tokens_st, min_size=1, max_size=14))
+    def add(self, prompt: list[int]) -> None:
+        seq = self.new_id()
+        num_cached = self.m.match_prefix(seq, prompt)
+        assert 0 <= num_cached < len(prompt) and num_cached % BS == 0
+        assert self.prefix or num_cached == 0
+        self.tokens[seq], self.computed[seq], self.group[seq] = list(prompt), num_cached, seq
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data(), chunk=st.integers(1, 6), lookahead=st.integers(0, 3))
+    def step(self, data: st.DataObject, chunk: int, lookahead: int) -> None:
+        seq = data.draw(st.sampled_from(self.running()))
+        tokens, start = self.tokens[seq], self.computed[seq]
+        if start == len(tokens):  # decode: the token sampled last step needs its KV
+            tokens.append(data.draw(tokens_st))
+        end = min(start + chunk, len(tokens))
+        before = self.snapshot()
+        if not self.m.allocate_slots(seq, end + lookahead, start):
+            assert self.snapshot() == before, "failed allocate_slots changed state"
+            assert self.m.take_pending_copies() == []
+            return
+        reads = {dst: dict(self.gpu.get(src, {})) for src, dst in self.m.take_pending_copies()}
+        self.gpu.update(reads)
+        table = self.m.block_table(seq)
+        for pos in range(start, end):
+            block = table[pos // BS]
+            assert self.m.gpu_pool.ref_count(block) == 1, f"write into shared block {block}"
+            self.gpu.setdefault(block, {})[pos % BS] = kv_value(tokens, pos)
+        self.computed[seq] = end
+        self.m.cache_full_blocks(seq, tokens, end)
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(self.running()))
+        child = self.new_id()
+        self.m.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.computed[child] = self.computed[parent]
+        self.group[child] = self.group[parent]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.m.free(seq)
+        for d in (self.tokens, self.computed, self.group):
+            del d[seq]
+        self.swapped.discard(seq)
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        group = self.members(self.group[data.draw(st.sampled_from(self.running()))])
+        distinct = {b for s in group for b in self.m.block_table(s)}
+        if not self.m.can_swap_out(group):
+            assert len(distinct) > self.m.num_free_cpu_blocks
+            return
+        pairs = self.m.swap_out(group)
+        assert sorted(gpu for gpu, _ in pairs) == sorted(distinct)
+        assert len({cpu for _, cpu in pairs}) == len(pairs)
+        for gpu, cpu in pairs:
+            self.cpu[cpu] = dict(self.gpu.get(gpu, {}))
+        self.swapped.update(group)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        group = self.members(self.group[data.draw(st.sampled_from(sorted(self.swapped)))])
+        if not self.m.can_swap_in(group):
+            return
+        for cpu, gpu in self.m.swap_in(group):
+            self.gpu[gpu] = dict(self.cpu[cpu])
+        self.swapped.difference_update(group)
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        self.m.check_integrity()
+        assert self.m.take_pending_copies() == []
+        for seq in self.running():
+            table, tokens = self.m.block_table(seq), self.tokens[seq]
+            for pos in range(self.computed[seq]):
+                got = self.gpu.get(table[pos // BS], {}).get(pos % BS)
+                assert got == kv_value(tokens, pos), f"seq {seq} reads wrong KV at {pos}"
+
+    def teardown(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for seq in list(self.tokens):
+            self.m.free(seq)
+        self.m.check_integrity()
+        assert self.m.num_free_blocks == NUM_GPU_BLOCKS and self.m.usage == 0.0
+        assert self.m.num_free_cpu_blocks == NUM_CPU_BLOCKS
+
+
+CacheMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestCacheMachine = CacheMachine.TestCase

@@ -1,0 +1,172 @@
+"""Sampler pipeline on CPU: greedy, filters, temperature statistics, penalties, min_tokens."""
+
+import pytest
+import torch
+
+from kiln.sampling import Sampler, SamplingMetadata, SamplingParams
+from kiln.sampling.sampler import apply_penalties
+
+VOCAB = 12
+
+
+def build(params, outputs=None, prompts=None, generators=None, eos=()):
+    n = len(params)
+    return SamplingMetadata.build(
+        params,
+        generators or [None] * n,
+        outputs or [[] for _ in range(n)],
+        prompts or [[1] for _ in range(n)],
+        "cpu",
+        eos_token_ids=eos,
+    )
+
+
+def distinct_logits(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
+    # Distinct values keep the top-k / nucleus sets free of ties.
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randperm(vocab, generator=g).float() * 0.37
+    return (base + 0.01 * torch.rand(vocab, generator=g)).expand(num_rows, vocab).contiguous()
+
+
+def draw(params: SamplingParams, logits_row: torch.Tensor, num_draws: int) -> torch.Tensor:
+    """num_draws independent samples: the same row repeated num_draws times in one batch."""
+    logits = logits_row.expand(num_draws, -1).contiguous()
+    return Sampler().sample(logits, build([params] * num_draws)).token_ids
+
+
+def test_greedy_is_argmax_and_ignores_filters():
+    torch.manual_seed(0)
+    logits = torch.randn(7, 50)
+    params = [SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.3)] * 7
+    out = Sampler().sample(logits, build(params))
+    assert out.token_ids.dtype == torch.int64
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+    assert out.logprobs is None
+
+
+def test_mixed_batch_greedy_rows_take_argmax():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 40)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.3, top_k=5) for i in range(6)]
+    before = logits.clone()
+    tokens = Sampler().sample(logits, build(params)).token_ids
+    assert torch.equal(logits, before)  # the caller's logits are not modified
+    assert torch.equal(tokens[1::2], logits[1::2].argmax(dim=-1))
+    top5 = logits.topk(5, dim=-1).indices
+    assert all(tokens[i] in top5[i] for i in range(0, 6, 2))
+
+
+def test_top_k_never_leaves_allowed_set():
+    row = distinct_logits(1, VOCAB, seed=2)[0]
+    allowed = set(row.topk(4).indices.tolist())
+    torch.manual_seed(3)
+    seen = set(draw(SamplingParams(top_k=4, temperature=2.0), row, 4000).tolist())
+    assert seen == allowed  # never outside, and every allowed token does come up
+
+
+def nucleus(probs: torch.Tensor, p: float) -> set[int]:
+    """Smallest top set whose mass reaches p (float64 reference)."""
+    order = probs.double().argsort(descending=True)
+    kept, mass = set(), 0.0
+    for t in order.tolist():
+        if mass >= p:
+            break
+        kept.add(t)
+        mass += probs[t].item()
+    return kept
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.6), (0, 0.9), (6, 0.7)])
+def test_top_p_never_leaves_nucleus(top_k, top_p):
+    row = distinct_logits(1, VOCAB, seed=4)[0] / 1.5
+    probs = torch.softmax(row.double(), dim=-1)
+    if top_k:  # top-p applies to the renormalized top-k distribution
+        keep = row.topk(top_k).indices
+        probs = torch.zeros_like(probs).index_copy_(0, keep, probs[keep])
+        probs /= probs.sum()
+    allowed = nucleus(probs, top_p)
+    assert 1 < len(allowed) < VOCAB  # the filter is doing something
+    torch.manual_seed(5)
+    seen = set(draw(SamplingParams(top_k=top_k, top_p=top_p), row, 4000).tolist())
+    assert seen == allowed
+
+
+def test_min_p_never_leaves_allowed_set():
+    row = distinct_logits(1, VOCAB, seed=6)[0]
+    probs = torch.softmax(row, dim=-1)
+    allowed = set((probs >= 0.1 * probs.max()).nonzero().flatten().tolist())
+    assert 1 < len(allowed) < VOCAB
+    torch.manual_seed(7)
+    seen = set(draw(SamplingParams(min_p=0.1), row, 4000).tolist())
+    assert seen == allowed
+
+
+def test_rows_without_filters_unaffected_by_filtered_neighbours():
+    row = distinct_logits(1, VOCAB, seed=8)[0] / 3.0
+    logits = row.expand(2000, -1).contiguous()
+    params = [SamplingParams(top_k=2, top_p=0.5, min_p=0.2), SamplingParams()] * 1000
+    torch.manual_seed(9)
+    tokens = Sampler().sample(logits, build(params)).token_ids
+    assert set(tokens[1::2].tolist()) == set(range(VOCAB))
+    assert set(tokens[0::2].tolist()) <= set(row.topk(2).indices.tolist())
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=probs.numel()).double()
+    expected = probs.double() * tokens.numel()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 2.5])
+def test_temperature_frequencies_match_softmax(temperature):
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.2])
+    target = torch.softmax(logits / temperature, dim=-1)
+    torch.manual_seed(10)
+    tokens = draw(SamplingParams(temperature=temperature), logits, 40000)
+    # df = 4: P(chi2 > 30) < 1e-5, so a correct sampler passes with a wide margin; a sampler
+    # using the wrong temperature (checked below) lands in the hundreds.
+    assert chi_square(tokens, target) < 30
+    other = torch.softmax(logits / (temperature * 1.5), dim=-1)
+    assert chi_square(tokens, other) > 100
+
+
+def test_penalties_match_hand_computed_example():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.9]] * 2)
+    penalized = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    meta = build(
+        [penalized, SamplingParams()],
+        outputs=[[3, 3, 2], [3, 3, 2]],
+        prompts=[[0, 4], [0, 4]],
+    )
+    out = apply_penalties(logits.clone(), meta)
+    # Repetition over prompt+output {0, 2, 3, 4}: positive / 2, negative * 2:
+    #   0: 2 -> 1, 2: 0.5 -> 0.25, 3: 3 -> 1.5, 4: -2 -> -4.
+    # Then output counts {3: 2, 2: 1}: minus 0.25 * count, minus 0.5 if present:
+    #   3: 1.5 - 0.5 - 0.5 = 0.5, 2: 0.25 - 0.25 - 0.5 = -0.5.
+    expected = torch.tensor([1.0, -1.0, -0.5, 0.5, -4.0, 0.9])
+    torch.testing.assert_close(out[0], expected, rtol=0, atol=1e-6)
+    assert torch.equal(out[1], logits[1])  # the neighbour has no penalties
+    greedy = [
+        SamplingParams(
+            temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25
+        )
+    ]
+    meta = build(greedy, outputs=[[3, 3, 2]], prompts=[[0, 4]])
+    assert Sampler().sample(logits[:1], meta).token_ids.item() == 0  # was 3 before penalties
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 1.0]])
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    sample = lambda p, outputs: (
+        Sampler().sample(logits, build([p], outputs=[outputs], eos=[0])).token_ids.item()
+    )
+    assert sample(params, [3]) == 2  # EOS (0) and stop id 1 masked
+    assert sample(params, [3, 3]) == 0  # min_tokens reached
+    ignore = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1], ignore_eos=True)
+    assert sample(ignore, [3]) == 0  # EOS is an ordinary token when ignored
+
+
+def test_build_rejects_mismatched_rows():
+    with pytest.raises(ValueError, match="one row per sequence"):
+        SamplingMetadata.build([SamplingParams()], [None, None], [[]], [[1]], "cpu")
