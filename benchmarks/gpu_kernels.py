@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -33,8 +34,16 @@ from kiln.kernels.rotary import apply_rotary_ref, apply_rotary_triton
 COPY_GBPS = 2831.0  # device-to-device copy, read + write (H100, shared/GPU.md)
 BF16_TFLOPS = 770.0  # cuBLAS bf16 GEMM 8192^3
 DTYPE = torch.bfloat16
+DEVICE = "cuda"
+SMOKE = False  # --smoke: tiny shapes on CPU under TRITON_INTERPRET=1, to check this script
 BF16_TOL = 1e-2  # bf16 outputs: one rounding of 2^-8 relative plus bf16 probabilities
-PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)]
+PREFILL_SWEEP = [
+    (128, 64, 8, 3),
+    (128, 64, 8, 2),
+    (128, 128, 8, 2),
+    (128, 64, 4, 3),
+    (64, 64, 4, 3),
+]
 DECODE_SWEEP = [(64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3), (64, 4, 4)]
 
 results: list[dict] = []
@@ -42,12 +51,18 @@ sweeps: list[dict] = []
 
 
 def bench_ms(fn) -> float:
+    if SMOKE:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
-    return float("inf") if not torch.isfinite(out).all() else ((out - ref).norm() / ref.norm()).item()
+    return (
+        float("inf") if not torch.isfinite(out).all() else ((out - ref).norm() / ref.norm()).item()
+    )
 
 
 def record(name, shape, ms, *, gbytes=None, tflop=None, err=None, baseline_ms=None, extra=None):
@@ -67,8 +82,8 @@ def record(name, shape, ms, *, gbytes=None, tflop=None, err=None, baseline_ms=No
 
 
 def bench_rms_norm(num_tokens=8192, hidden=4096):
-    x, res = (torch.randn(num_tokens, hidden, device="cuda", dtype=DTYPE) for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE)
+    x, res = (torch.randn(num_tokens, hidden, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(DTYPE)
     for with_res in (True, False):
         r = res if with_res else None
         out = rms_norm_triton(x, weight, 1e-5, r)
@@ -86,19 +101,21 @@ def bench_rms_norm(num_tokens=8192, hidden=4096):
 
 
 def bench_silu_and_mul(num_tokens=8192, inter=14336):
-    x = torch.randn(num_tokens, 2 * inter, device="cuda", dtype=DTYPE)
+    x = torch.randn(num_tokens, 2 * inter, device=DEVICE, dtype=DTYPE)
     err = rel_err(silu_and_mul_triton(x), silu_and_mul_ref(x.float()))
     ms = bench_ms(lambda: silu_and_mul_triton(x))
     eager_ms = bench_ms(lambda: silu_and_mul_ref(x))
     gbytes = 1.5 * x.numel() * x.element_size() / 1e9  # read 2I, write I
-    record("silu_and_mul", [num_tokens, 2 * inter], ms, gbytes=gbytes, err=err, baseline_ms=eager_ms)
+    record(
+        "silu_and_mul", [num_tokens, 2 * inter], ms, gbytes=gbytes, err=err, baseline_ms=eager_ms
+    )
 
 
 def bench_rotary(num_tokens=8192, num_heads=32, num_kv_heads=8, head_dim=128):
-    q = torch.randn(num_tokens, num_heads, head_dim, device="cuda", dtype=DTYPE)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=DTYPE)
-    positions = torch.randint(0, 8192, (num_tokens,), device="cuda")
-    angles = torch.rand(8192, head_dim // 2, device="cuda") * 6.3
+    q = torch.randn(num_tokens, num_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    positions = torch.randint(0, 8192, (num_tokens,), device=DEVICE)
+    angles = torch.rand(8192, head_dim // 2, device=DEVICE) * 6.3
     cache = torch.cat((angles.cos(), angles.sin()), -1)
     q_out, k_out = apply_rotary_triton(q, k, positions, cache)
     q_ref, k_ref = apply_rotary_ref(q.float(), k.float(), positions, cache)
@@ -111,11 +128,14 @@ def bench_rotary(num_tokens=8192, num_heads=32, num_kv_heads=8, head_dim=128):
 
 
 def bench_kv_cache(num_tokens=8192, num_kv_heads=8, head_dim=128, block_size=16):
-    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=DTYPE) for _ in "kv")
+    k, v = (
+        torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE, dtype=DTYPE) for _ in "kv"
+    )
     num_blocks = 4 * num_tokens // block_size
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    caches = [torch.randn(shape, device="cuda", dtype=DTYPE) for _ in range(4)]
-    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    caches = [torch.randn(shape, device=DEVICE, dtype=DTYPE) for _ in range(2)]
+    caches += [c.clone() for c in caches]  # the reference writes into equal copies
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
     write_kv_cache_triton(k, v, caches[0], caches[1], slots)
     write_kv_cache_ref(k, v, caches[2], caches[3], slots)
     err = max(rel_err(caches[0], caches[2]), rel_err(caches[1], caches[3]))
@@ -131,18 +151,18 @@ def paged_problem(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_siz
     pages = [triton.cdiv(n, block_size) for n in seq_lens]
     num_blocks = sum(pages)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
-    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
-    block_tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device="cuda")
+    k_cache = torch.randn(shape, device=DEVICE, dtype=DTYPE)
+    v_cache = torch.randn(shape, device=DEVICE, dtype=DTYPE)
+    perm = torch.randperm(num_blocks, device=DEVICE).to(torch.int32)
+    block_tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=DEVICE)
     start = 0
     for b, n in enumerate(pages):
         block_tables[b, :n] = perm[start : start + n]
         start += n
-    q = torch.randn(sum(q_lens), num_heads, head_dim, device="cuda", dtype=DTYPE)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE, dtype=DTYPE)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    args = (q, k_cache, v_cache, cu.cuda(), seq, block_tables, max(q_lens), max(seq_lens))
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, cu.to(DEVICE), seq, block_tables, max(q_lens), max(seq_lens))
     return args, head_dim**-0.5
 
 
@@ -154,13 +174,12 @@ def dense_kv(args):
     return k, v
 
 
-def time_sdpa(q, k, v, causal, backend):
+def time_sdpa(q, k, v, backend, **kwargs):
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     try:
         with sdpa_kernel(backend):
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            return bench_ms(
-                lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            )
+            sdpa(q, k, v, **kwargs)
+            return bench_ms(lambda: sdpa(q, k, v, **kwargs))
     except Exception as exc:  # a backend may not support the shape here
         print(f"sdpa {backend}: {exc!r}", flush=True)
         return None
@@ -172,7 +191,9 @@ def bench_prefill(batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=
     ref = paged_attention_ref(*args, scale)
     tflop = 4 * batch * num_heads * seq_len * seq_len * head_dim / 2 / 1e12  # causal half
     best = None
-    configs = [PREFILL_CONFIGS[head_dim]] + [c for c in PREFILL_SWEEP if c != PREFILL_CONFIGS[head_dim]]
+    configs = [PREFILL_CONFIGS[head_dim]] + [
+        c for c in PREFILL_SWEEP if c != PREFILL_CONFIGS[head_dim]
+    ]
     for config in configs:
         try:
             out = paged_attention_prefill_triton(*args, scale, config=config)
@@ -189,8 +210,11 @@ def bench_prefill(batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=
     q = args[0].view(batch, seq_len, num_heads, head_dim).transpose(1, 2)
     k, v = (t.repeat_interleave(num_heads // num_kv_heads, 1) for t in dense_kv(args))
     extra = {"config": best[0], "default_config": PREFILL_CONFIGS[head_dim]}
-    for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        sdpa_ms = time_sdpa(q, k, v, True, backend)
+    for label, backend in (
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+    ):
+        sdpa_ms = time_sdpa(q, k, v, backend, is_causal=True)
         extra[f"sdpa_{label}_tflop_s"] = None if sdpa_ms is None else tflop / (sdpa_ms * 1e-3)
     shape = [batch, seq_len, num_heads, num_kv_heads, head_dim]
     record(f"prefill_causal_d{head_dim}", shape, best[1], tflop=tflop, err=best[2], extra=extra)
@@ -218,10 +242,10 @@ def bench_decode(batch, ctx, num_heads=32, num_kv_heads=8, head_dim=128):
             if splits is None and (best is None or ms < best[1]):
                 best = (config, ms, err)
     q = args[0].view(batch, 1, num_heads, head_dim).transpose(1, 2)
-    k, v = (t.repeat_interleave(num_heads // num_kv_heads, 1) for t in dense_kv(args))
-    sdpa_ms = time_sdpa(q, k, v, False, SDPBackend.FLASH_ATTENTION)
-    extra = {"config": best[0], "num_splits": "auto",
-             "sdpa_flash_dense_gb_s": None if sdpa_ms is None else gbytes / (sdpa_ms * 1e-3)}  # fmt: skip
+    k, v = dense_kv(args)  # GQA in SDPA itself, so that it reads the same K/V bytes
+    sdpa_ms = time_sdpa(q, k, v, SDPBackend.FLASH_ATTENTION, enable_gqa=True)
+    sdpa_gbs = None if sdpa_ms is None else gbytes / (sdpa_ms * 1e-3)
+    extra = {"config": best[0], "num_splits": "auto", "sdpa_flash_dense_gb_s": sdpa_gbs}
     shape = [batch, ctx, num_heads, num_kv_heads, head_dim]
     record(f"decode_b{batch}_ctx{ctx}", shape, best[1], gbytes=gbytes, err=best[2], extra=extra)
 
@@ -229,13 +253,24 @@ def bench_decode(batch, ctx, num_heads=32, num_kv_heads=8, head_dim=128):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.json"))
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
     opts = parser.parse_args()
+    global DEVICE, DTYPE, SMOKE
+    if opts.smoke:
+        assert os.environ.get("TRITON_INTERPRET") == "1", "run --smoke with TRITON_INTERPRET=1"
+        DEVICE, DTYPE, SMOKE = "cpu", torch.float16, True
     torch.manual_seed(int(datetime.datetime.now().timestamp()))  # fresh inputs every run
     steps = [
         bench_rms_norm, bench_silu_and_mul, bench_rotary, bench_kv_cache,
         bench_prefill, lambda: bench_prefill(head_dim=64, num_heads=32, num_kv_heads=32),
         lambda: bench_decode(64, 1024), lambda: bench_decode(8, 16384),
     ]  # fmt: skip
+    if SMOKE:
+        steps = [
+            lambda: bench_rms_norm(5, 64), lambda: bench_silu_and_mul(5, 64),
+            lambda: bench_rotary(5, 4, 2, 64), lambda: bench_kv_cache(5, 2, 64),
+            lambda: bench_prefill(2, 40, 4, 2, 64), lambda: bench_decode(3, 100, 4, 1, 64),
+        ]  # fmt: skip
     errors = []
     for step in steps:
         try:
@@ -245,11 +280,11 @@ def main() -> None:
             print(errors[-1], file=sys.stderr, flush=True)
         torch.cuda.empty_cache()
     report = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        "command": "PYTHONPATH=. python3 " + " ".join(sys.argv),
         "ceilings": {"copy_gb_s": COPY_GBPS, "bf16_gemm_tflop_s": BF16_TFLOPS},
         "results": results,
         "sweeps": sweeps,

@@ -34,6 +34,9 @@ def train_cmd(
     max_files: Annotated[
         int | None, typer.Option(help="use only the first N files of each split")
     ] = None,
+    corpus_root: Annotated[
+        Path | None, typer.Option(help="directory of *.py files (default: this stdlib)")
+    ] = None,
     tokenizer: Annotated[
         Path | None, typer.Option(help="directory with tokenizer.json (default: the zoo's)")
     ] = None,
@@ -56,6 +59,7 @@ def train_cmd(
         checkpoint_every=checkpoint_every,
         stop_at=stop_at,
         max_files=max_files,
+        corpus_root=corpus_root,
         tokenizer_dir=tokenizer or DEFAULT_TOKENIZER_DIR,
         device=device,
     )
@@ -83,6 +87,8 @@ def reproducing_command(cfg) -> str:
         args += ["--seed", str(cfg.seed)]
     if cfg.max_files is not None:
         args += ["--max-files", str(cfg.max_files)]
+    if cfg.corpus_root is not None:
+        args += ["--corpus-root", str(cfg.corpus_root)]
     if cfg.tokenizer_dir != DEFAULT_TOKENIZER_DIR:
         args += ["--tokenizer", str(cfg.tokenizer_dir)]
     return shlex.join(args)

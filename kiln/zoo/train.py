@@ -72,6 +72,7 @@ class TrainConfig:
     checkpoint_every: int = 500
     stop_at: int | None = None  # end this invocation after that step (resume later)
     max_files: int | None = None  # first N files of each split (tests)
+    corpus_root: Path | None = None  # None: this interpreter's stdlib
     tokenizer_dir: Path = DEFAULT_TOKENIZER_DIR
     device: str = "auto"
     command: str = ""  # how the run was started, recorded in the output
@@ -200,8 +201,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainState:
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
     ids = special_ids(tokenizer)
     t0 = time.perf_counter()
-    train_files = corpus.read_files("train", max_files=cfg.max_files)
-    heldout_files = corpus.read_files("heldout", max_files=cfg.max_files)
+    train_files = corpus.read_files("train", cfg.corpus_root, cfg.max_files)
+    heldout_files = corpus.read_files("heldout", cfg.corpus_root, cfg.max_files)
     train_stream = corpus.encode_files(tokenizer, train_files, ids["bos"], ids["eos"])
     heldout_stream = corpus.encode_files(tokenizer, heldout_files, ids["bos"], ids["eos"])
     log(

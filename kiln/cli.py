@@ -1,0 +1,86 @@
+"""The ``kiln`` command line: generate, serve, bench, profile, eval, quantize, zoo."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import click
+
+from kiln.cli_options import engine_options
+
+DEFAULT_MODEL = "kiln-tiny"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kiln")
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def main(log_level: str) -> None:
+    """Kiln: make LLMs fast and serve them on NVIDIA GPUs."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+
+
+@main.command()
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
+              help="checkpoint directory, Hugging Face hub id, or zoo name")
+@click.option("--prompt", required=True, help="text to continue")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
+@engine_options
+def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
+             top_k: int, chat: bool, engine_kwargs: dict[str, Any]) -> None:
+    """Generate a continuation of PROMPT and stream it to the terminal.
+
+    --seed seeds both the engine and this request's sampling.
+    """
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.sampling.params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, seed=engine_kwargs.get("seed"))
+        engine = LLMEngine.from_kwargs(model, **engine_kwargs)
+        if chat:
+            prompt = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        engine.add_request("cli", prompt, params)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(prompt, nl=False)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            click.echo(text[printed:], nl=False)
+            printed = len(text)
+            sys.stdout.flush()
+    click.echo()
+
+
+# (module, attribute, command name): click commands/groups or typer apps defined by each package
+SUBCOMMANDS = (
+    ("kiln.zoo.cli", "zoo_app", "zoo"),
+)
+
+
+def _mount_subcommands() -> None:
+    import importlib
+
+    import typer
+
+    for module, attr, name in SUBCOMMANDS:
+        command = getattr(importlib.import_module(module), attr)
+        if isinstance(command, typer.Typer):
+            command = typer.main.get_command(command)
+        main.add_command(command, name)
+
+
+_mount_subcommands()
+
+if __name__ == "__main__":
+    main()

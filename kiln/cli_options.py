@@ -1,0 +1,72 @@
+"""Engine flags for every command that builds an engine, generated from the config dataclasses.
+
+``--block-size``, ``--max-num-seqs``, ``--gpu-memory-utilization`` ... are the dashed forms of
+``EngineConfig.from_kwargs`` names (vLLM's names), so ``kiln serve``, ``kiln generate`` and
+``kiln bench`` accept the same flags as ``kiln.LLM(...)`` keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from kiln import config as cfg
+
+_CHOICES = {
+    "dtype": cfg.DTYPE_CHOICES, "device": cfg.DEVICE_CHOICES, "load_format": cfg.LOAD_FORMATS,
+    "preemption_mode": cfg.PREEMPTION_MODES, "attention_backend": cfg.ATTENTION_BACKENDS,
+    "kv_cache_dtype": cfg.KV_CACHE_DTYPES, "quantization": cfg.QUANTIZATION_METHODS,
+}
+_SKIP = {"model"}  # each command declares --model itself (with its own default)
+
+
+def _click_type(name: str, annotation: str) -> Any:
+    if name in _CHOICES:
+        return click.Choice(list(_CHOICES[name]))
+    base = annotation.replace(" | None", "")
+    return {"int": int, "float": float, "bool": bool, "str": str}.get(base, str)
+
+
+def _engine_fields() -> list[tuple[str, str, Any]]:
+    fields = []
+    for klass in (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig):
+        hints = typing.get_type_hints(klass)
+        for f in dataclasses.fields(klass):
+            if f.name not in _SKIP:
+                annotation = str(f.type) if isinstance(f.type, str) else str(hints[f.name])
+                fields.append((f.name, annotation, f.default))
+    fields.append(("enforce_eager", "bool", False))
+    fields.append(("attention_backend", "str", "auto"))
+    return fields
+
+
+def engine_options(command: Callable) -> Callable:
+    """Add every engine flag to a click command; the command receives them as ``engine_kwargs``.
+
+    Only flags the user actually gave are passed on, so the engine's own defaults apply.
+    """
+    names = []
+    for name, annotation, default in reversed(_engine_fields()):
+        flag = "--" + name.replace("_", "-")
+        if annotation == "bool":
+            decl = f"{flag}/--no-{name.replace('_', '-')}"
+            command = click.option(decl, name, default=None, show_default=str(default),
+                                   help=f"engine option {name}")(command)
+        else:
+            command = click.option(flag, name, type=_click_type(name, annotation), default=None,
+                                   show_default=str(default), help=f"engine option {name}")(command)
+        names.append(name)
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        engine_kwargs = {n: kwargs.pop(n) for n in names if kwargs.get(n) is not None}
+        for n in names:
+            kwargs.pop(n, None)
+        return command(*args, engine_kwargs=engine_kwargs, **kwargs)
+
+    return wrapper
