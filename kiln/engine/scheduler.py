@@ -52,6 +52,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self.num_swap_outs = 0
 
     # ---- queue management ----------------------------------------------------------------
 
@@ -132,6 +133,7 @@ class Scheduler:
         seq_ids = [s.seq_id for s in request.active_seqs()]
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
             out.swap_out += self.kv.swap_out(seq_ids)
+            self.num_swap_outs += 1
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             return

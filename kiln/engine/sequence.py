@@ -89,11 +89,21 @@ class Sequence:
                     return delta
         if (params.max_tokens is not None and num_out >= params.max_tokens) \
                 or self.num_tokens >= self.max_model_len:
-            if self.detokenizer is not None:  # bytes of an unfinished character, as decode() shows
-                delta += self.detokenizer.flush()
-            return self._finish("length", None, delta)
+            return self._finish_length(delta)
         self.text += delta
         return delta
+
+    def _finish_length(self, delta: str) -> str:
+        # bytes of an unfinished character are released as decode() shows them (U+FFFD), and may
+        # still complete a stop string
+        tail = self.detokenizer.flush() if self.detokenizer is not None else ""
+        if tail and self.stop_checker is not None:
+            tail, stopped, matched = self.stop_checker.feed(tail)
+            if stopped:
+                self.text += delta + tail
+                self.finish_reason, self.stop_reason = "stop", matched
+                return delta + tail
+        return self._finish("length", None, delta + tail)
 
     def _finish(self, reason: str, stop_reason: int | str | None, delta: str) -> str:
         if self.stop_checker is not None:

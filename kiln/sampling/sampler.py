@@ -57,10 +57,8 @@ def _pad(rows: Sequence[Sequence[int]]) -> list[list[int]]:
 
 @dataclass
 class LogprobsTensors:
-    """Logprobs of the chosen (or actual next) token per row, plus the row's top alternatives.
-
-    Rows asking for fewer alternatives than `topk_*.shape[1]` slice their own k on the host.
-    """
+    """Each row's chosen (or actual next) token logprob plus its top alternatives; rows that
+    asked for fewer than `topk_*.shape[1]` slice their own k on the host."""
 
     token_logprobs: Tensor  # [num_rows] float32
     token_ranks: Tensor  # [num_rows] int64, 1 = most likely (OpenAI / vLLM convention)
@@ -94,9 +92,7 @@ def compute_prompt_logprobs(
     """
     targets = torch.as_tensor(prompt_token_ids, dtype=torch.int64, device=logits.device)[1:]
     if logits.shape[0] < targets.shape[0]:
-        raise ValueError(
-            f"need logits for {targets.shape[0]} positions, got {logits.shape[0]} rows"
-        )
+        raise ValueError(f"need logits for {targets.shape[0]} positions, got {logits.shape[0]}")
     logprobs = logits[: targets.shape[0]].float().log_softmax(dim=-1)
     return gather_logprobs(logprobs, targets, num_logprobs)
 
@@ -256,7 +252,8 @@ def apply_top_k_top_p(
         kth.masked_fill_((top_k <= 0).unsqueeze(1), float("-inf"))  # row has top-k off
         return logits.masked_fill_(logits < kth, float("-inf"))
 
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    # Stable sort: tied logits break the same way whatever else is in the batch.
+    sorted_logits, order = logits.sort(dim=-1, stable=True)  # ascending
     if top_k is not None:
         k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
         kth = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
@@ -291,7 +288,10 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)  # the one copy; in place from here on
         apply_penalties(logits, meta)
         if meta.min_tokens_rows is not None:
-            logits[meta.min_tokens_rows, meta.min_tokens_ids] = float("-inf")
+            # index_fill_ on the flat view: `logits[rows, ids] = -inf` copies the scalar from
+            # the host and synchronizes on CUDA.
+            flat = meta.min_tokens_rows * logits.shape[1] + meta.min_tokens_ids
+            logits.view(-1).index_fill_(0, flat, float("-inf"))
 
         greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:

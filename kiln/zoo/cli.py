@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -43,7 +42,8 @@ def train_cmd(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
 ) -> None:
     """Train a zoo model (Llama architecture) and write it in Hugging Face format to OUT."""
-    from kiln.zoo.train import DEFAULT_TOKENIZER_DIR, TrainConfig, estimate_steps, train
+    from kiln.zoo.launch import run_training
+    from kiln.zoo.train import DEFAULT_TOKENIZER_DIR, TrainConfig
 
     if steps is not None and budget_s is not None:
         raise typer.BadParameter("give --steps or --budget-s, not both")
@@ -63,35 +63,7 @@ def train_cmd(
         tokenizer_dir=tokenizer or DEFAULT_TOKENIZER_DIR,
         device=device,
     )
-    if budget_s is not None:
-        cfg.steps = estimate_steps(cfg, budget_s)
-        cfg.warmup_steps = None
-        cfg.__post_init__()  # re-derive the warmup from the new step count
-        typer.echo(f"--budget-s {budget_s:g}: {cfg.steps} steps fit")
-    cfg.command = reproducing_command(cfg)
-    train(cfg, log=typer.echo)
-
-
-def reproducing_command(cfg) -> str:
-    """The `kiln zoo train` line for `cfg`, with --steps resolved (budgets differ by machine)."""
-    from kiln.zoo.train import DEFAULT_TOKENIZER_DIR, SIZES
-
-    preset = SIZES[cfg.size]
-    args = ["kiln", "zoo", "train", "--size", cfg.size, "--out", str(cfg.out_dir)]
-    args += ["--steps", str(cfg.steps)]
-    if cfg.batch_size != preset.batch_size:
-        args += ["--batch-size", str(cfg.batch_size)]
-    if cfg.lr != preset.lr:
-        args += ["--lr", f"{cfg.lr:g}"]
-    if cfg.seed != 0:
-        args += ["--seed", str(cfg.seed)]
-    if cfg.max_files is not None:
-        args += ["--max-files", str(cfg.max_files)]
-    if cfg.corpus_root is not None:
-        args += ["--corpus-root", str(cfg.corpus_root)]
-    if cfg.tokenizer_dir != DEFAULT_TOKENIZER_DIR:
-        args += ["--tokenizer", str(cfg.tokenizer_dir)]
-    return shlex.join(args)
+    run_training(cfg, budget_s=budget_s, log=typer.echo)
 
 
 @zoo_app.command("tokenizer")

@@ -180,7 +180,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _autocast(device: torch.device):
+def autocast(device: torch.device):
     # bf16 autocast on GPU; plain fp32 on CPU, where bf16 is slow and tests want determinism.
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -188,7 +188,7 @@ def _autocast(device: torch.device):
 @torch.no_grad()
 def heldout_loss(model: LlamaForCausalLM, chunks: torch.Tensor, device: torch.device) -> float:
     model.eval()
-    with _autocast(device):
+    with autocast(device):
         loss = model(input_ids=chunks, labels=chunks).loss.item()
     model.train()
     return loss
@@ -235,7 +235,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainState:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sampler.batch(state.step)
-        with _autocast(device):
+        with autocast(device):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -269,28 +269,4 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainState:
     return state
 
 
-def estimate_steps(cfg: TrainConfig, budget_s: float, num_timed: int = 10) -> int:
-    """Steps that fit `budget_s` seconds, from timing a few steps on random tokens."""
-    device = resolve_device(cfg.device)
-    config = llama_config(cfg.size, 8192, {"bos": 1, "eos": 2, "pad": 0})
-    model = build_model(config, cfg.seed).to(device)
-    optimizer = make_optimizer(model, cfg, device)
-    batch = torch.randint(0, 8192, (cfg.batch_size, cfg.preset.context_len), device=device)
-    for i in range(num_timed + 3):
-        if i == 3:  # the first steps pay for allocation and kernel selection
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        with _autocast(device):
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    loss.item()
-    step_s = (time.perf_counter() - t0) / num_timed
-    del model, optimizer
-    return max(1, int(budget_s / step_s))
-
-
-__all__ = ["SIZES", "ModelSize", "TrainConfig", "estimate_steps", "llama_config", "train"]
+__all__ = ["SIZES", "ModelSize", "TrainConfig", "build_model", "llama_config", "train"]

@@ -65,7 +65,7 @@ def hf_greedy(ref, prompt: list[int], num_tokens: int) -> tuple[list[int], list[
 def test_greedy_and_logprobs_match_transformers(variant, tiny_model_dirs):
     path = tiny_model_dirs[variant]
     llm = kiln.LLM(str(path), dtype="float32", device="cpu")
-    prompts = random_prompts(llm.loaded.arch.vocab_size, seed=7)[1:]
+    prompts = random_prompts(llm.engine.loaded.arch.vocab_size, seed=7)[1:]
     params = kiln.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)
     outputs = llm.generate(prompts, params)
     ref = hf_model(path)

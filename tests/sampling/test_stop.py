@@ -75,7 +75,7 @@ def reference(text, stop, include):
     return text, (False, None)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 @given(
     text=st.text(alphabet="abc", max_size=30),
     stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),

@@ -1,0 +1,154 @@
+"""Calibration: token windows from text, and statistics of each Linear's inputs.
+
+Statistics are gathered with forward pre-hooks while ``model.full_logits(ids)`` runs over the
+calibration batches (any module with ``full_logits`` and Linear layers works). What is kept per
+layer depends on the method: per-channel |x| max and mean (SmoothQuant, AWQ), X^T X (GPTQ), a
+random subsample of input rows (AWQ's search), an observer of the (smoothed) input (static
+activation scales). Attention layers report |k| and |v| maxima (FP8 KV-cache scales).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.layers.attention import Attention
+from kiln.quant.methods import quantized_linears
+from kiln.quant.observers import MinMaxObserver
+
+SOURCES = ("zoo-train", "zoo-heldout")
+
+
+def calibration_texts(source: str) -> Iterable[str]:
+    """A text file, or the zoo corpus split ('zoo-train', 'zoo-heldout') in a seeded order."""
+    if source in SOURCES:
+        from kiln.zoo import corpus
+
+        files = corpus.read_files(source.removeprefix("zoo-"))
+        random.Random(0).shuffle(files)  # spread the samples over the whole library
+        return (f.text for f in files)
+    path = Path(source)
+    if not path.is_file():
+        raise ValueError(f"calibration={source!r} is neither a text file nor one of "
+                         f"{', '.join(SOURCES)}")
+    return [path.read_text(encoding="utf-8", errors="replace")]
+
+
+def calibration_ids(tokenizer: Any, source: str, num_samples: int, seq_len: int,
+                    seed: int = 0) -> torch.Tensor:
+    """[num_samples, seq_len] int64 windows cut at random offsets from `<bos> text <eos>`."""
+    if num_samples < 1 or seq_len < 2:
+        raise ValueError(f"need num_samples >= 1 and seq_len >= 2, got {num_samples}, {seq_len}")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    need = 4 * num_samples * seq_len  # headroom so that windows rarely overlap
+    stream: list[int] = []
+    for text in calibration_texts(source):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        stream += ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])
+        if len(stream) >= need:
+            break
+    if len(stream) < seq_len:
+        raise ValueError(f"calibration text {source!r} has {len(stream)} tokens; seq_len "
+                         f"{seq_len} needs more")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - seq_len + 1, (num_samples,), generator=gen)
+    flat = torch.tensor(stream, dtype=torch.long)
+    return torch.stack([flat[s : s + seq_len] for s in starts.tolist()])
+
+
+@dataclass
+class LinearStats:
+    channel_max: bool = False
+    channel_mean: bool = False
+    hessian: bool = False
+    num_samples: int = 0  # input rows to keep (reservoir), 0: none
+    observer: MinMaxObserver | None = None
+    transform: torch.Tensor | None = None  # multiply inputs by this before observing
+    abs_max: torch.Tensor | None = None  # [K]
+    abs_sum: torch.Tensor | None = None  # [K]
+    xtx: torch.Tensor | None = None  # [K, K] float32
+    rows: list[torch.Tensor] = field(default_factory=list)
+    num_rows: int = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        a = x.abs()
+        if self.channel_max:
+            m = a.amax(0)
+            self.abs_max = m if self.abs_max is None else torch.maximum(self.abs_max, m)
+        if self.channel_mean:
+            s = a.sum(0)
+            self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
+        if self.hessian:
+            h = x.t() @ x
+            self.xtx = h if self.xtx is None else self.xtx + h
+        if self.num_samples:
+            self.rows.append(x[torch.randperm(x.shape[0], device=x.device)[: self.num_samples]])
+        if self.observer is not None:
+            self.observer.update(x if self.transform is None else x * self.transform)
+        self.num_rows += x.shape[0]
+
+    @property
+    def abs_mean(self) -> torch.Tensor:
+        return self.abs_sum / max(self.num_rows, 1)
+
+    @property
+    def hessian_matrix(self) -> torch.Tensor:
+        """H = 2 X^T X / n (GPTQ's Hessian of the layer's squared output error)."""
+        return 2 * self.xtx / max(self.num_rows, 1)
+
+    def sample(self, seed: int = 0) -> torch.Tensor:
+        rows = torch.cat(self.rows)
+        gen = torch.Generator().manual_seed(seed)
+        return rows[torch.randperm(rows.shape[0], generator=gen)[: self.num_samples]]
+
+
+def run_batches(model: nn.Module, ids: torch.Tensor, batch_size: int) -> None:
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for begin in range(0, ids.shape[0], batch_size):
+            model.full_logits(ids[begin : begin + batch_size].to(device))
+
+
+def collect_linear_stats(model: nn.Module, ids: torch.Tensor,
+                         make_stats: Callable[[str], LinearStats],
+                         batch_size: int = 4) -> dict[str, LinearStats]:
+    """Run the calibration ids through the model and gather ``make_stats(name)`` per Linear."""
+    stats: dict[str, LinearStats] = {}
+    handles = []
+    for name, layer in quantized_linears(model):
+        stats[name] = make_stats(name)
+        hook = (lambda s: lambda _mod, args: s.update(args[0]))(stats[name])
+        handles.append(layer.register_forward_pre_hook(hook))
+    try:
+        run_batches(model, ids, batch_size)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def collect_kv_amax(model: nn.Module, ids: torch.Tensor, batch_size: int = 4
+                    ) -> list[list[float]]:
+    """Per attention layer (in layer order): [max |k|, max |v|] over the calibration ids."""
+    found = [m for m in model.modules() if isinstance(m, Attention)]
+    found.sort(key=lambda m: m.layer_idx)
+    amax = [[MinMaxObserver(), MinMaxObserver()] for _ in found]
+    handles = []
+    for obs, attn in zip(amax, found, strict=True):
+        def hook(_mod, args, obs=obs):  # args: (q, k, v, meta)
+            obs[0].update(args[1])
+            obs[1].update(args[2])
+        handles.append(attn.register_forward_pre_hook(hook))
+    try:
+        run_batches(model, ids, batch_size)
+    finally:
+        for h in handles:
+            h.remove()
+    return [[k.amax(), v.amax()] for k, v in amax]

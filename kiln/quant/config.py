@@ -1,0 +1,137 @@
+"""What a quantized model is: one validated ``QuantConfig`` shared by every Linear.
+
+Two weight formats cover every method (the method only decides how the numbers are chosen):
+
+- ``wint``: weight-only integers, 8-bit per output channel or 4-bit group-wise, symmetric or
+  asymmetric, optional per-input-channel ``smooth`` (AWQ) and act-order permutation (GPTQ).
+  Activations stay in the model dtype (W8A16 / W4A16).
+- ``w8a8``: 8-bit weights *and* activations, ``fp8`` (e4m3) or ``int8``, weight scales per tensor
+  or per output channel, activation scales dynamic per token or static per tensor (calibrated),
+  optional SmoothQuant ``smooth`` vector.
+
+The JSON form (``to_json`` / ``from_json``) is the quantization config written next to a
+quantized checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT_NAME = "kiln"
+FORMAT_VERSION = 1
+CONFIG_FILE = "kiln_quant_config.json"
+
+METHODS = ("rtn", "awq", "gptq", "fp8", "smoothquant")
+SCHEMES = ("wint", "w8a8")
+W8A8_DTYPES = ("fp8", "int8")
+WEIGHT_GRANULARITIES = ("tensor", "channel")
+ACTIVATION_SCHEMES = ("dynamic", "static")
+GROUP_SIZES = (-1, 32, 64, 128)  # -1: one group per output channel
+OBSERVERS = ("minmax", "percentile", "entropy", "mse")
+
+
+def _check(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; choose one of "
+                         f"{', '.join(map(str, choices))}")
+
+
+@dataclass
+class QuantConfig:
+    method: str = "rtn"
+    scheme: str = "wint"
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    act_order: bool = False  # GPTQ: quantize columns by decreasing Hessian diagonal
+    w8a8_dtype: str = "fp8"
+    weight_granularity: str = "channel"
+    activation_scheme: str = "dynamic"
+    observer: str = "minmax"  # static activation scales: how the calibrated range is chosen
+    alpha: float = 0.5  # SmoothQuant migration strength
+    kv_cache_scales: list[list[float]] | None = None  # per layer [k_scale, v_scale] (FP8 KV)
+    calibration: dict[str, Any] = field(default_factory=dict)  # provenance, written to JSON
+
+    def __post_init__(self) -> None:
+        _check("method", self.method, METHODS)
+        _check("scheme", self.scheme, SCHEMES)
+        if self.scheme == "wint":
+            _check("bits", self.bits, (4, 8))
+            _check("group_size", self.group_size, GROUP_SIZES)
+            if self.bits == 8 and self.group_size != -1:
+                raise ValueError("8-bit weight-only quantization is per output channel; "
+                                 f"use group_size=-1 (got {self.group_size})")
+            if self.method in ("fp8", "smoothquant"):
+                raise ValueError(f"method={self.method!r} produces W8A8 weights; "
+                                 "use scheme='w8a8'")
+        else:
+            _check("w8a8_dtype", self.w8a8_dtype, W8A8_DTYPES)
+            _check("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
+            _check("activation_scheme", self.activation_scheme, ACTIVATION_SCHEMES)
+            if self.method in ("awq", "gptq"):
+                raise ValueError(f"method={self.method!r} produces weight-only integers; "
+                                 "use scheme='wint'")
+            self.bits, self.group_size = 8, -1
+        _check("observer", self.observer, OBSERVERS)
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha={self.alpha} (SmoothQuant migration strength) must be in "
+                             "[0, 1]")
+        if self.act_order and self.method != "gptq":
+            raise ValueError("act_order is a GPTQ option; use method='gptq'")
+
+    @property
+    def name(self) -> str:
+        """Short human label, e.g. 'W4A16 g128 sym (awq)' or 'FP8 W8A8 channel/dynamic'."""
+        if self.scheme == "wint":
+            group = "channel" if self.group_size == -1 else f"g{self.group_size}"
+            kind = "sym" if self.symmetric else "asym"
+            return f"W{self.bits}A16 {group} {kind} ({self.method})"
+        return (f"{self.w8a8_dtype.upper()} W8A8 {self.weight_granularity}/"
+                f"{self.activation_scheme} ({self.method})")
+
+    def check_layer(self, in_features: int, what: str = "layer") -> None:
+        """Raise if this format cannot store a layer with ``in_features`` inputs."""
+        if self.scheme != "wint":
+            return
+        if self.group_size != -1 and in_features % self.group_size:
+            raise ValueError(f"group_size={self.group_size} does not divide in_features="
+                             f"{in_features} of {what}; choose a group size that divides it "
+                             "or -1 (per channel)")
+        if self.bits == 4 and in_features % 8:
+            raise ValueError(f"4-bit packing needs in_features divisible by 8; {what} has "
+                             f"{in_features}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], source: str = "quantization config") -> QuantConfig:
+        if data.get("format") != FORMAT_NAME:
+            raise ValueError(f"{source}: format={data.get('format')!r} is not a Kiln quantization "
+                             f"config (expected {FORMAT_NAME!r})")
+        if data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{source}: version {data.get('version')!r} is not supported "
+                             f"(this Kiln reads version {FORMAT_VERSION})")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names - {"format", "version"})
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+# `--quantization NAME` at load: quantize the dense checkpoint on the fly, no calibration
+ON_THE_FLY: dict[str, dict[str, Any]] = {
+    "fp8": dict(method="fp8", scheme="w8a8", w8a8_dtype="fp8"),
+    "fp8-tensor": dict(method="fp8", scheme="w8a8", w8a8_dtype="fp8",
+                       weight_granularity="tensor"),
+    "int8": dict(method="rtn", scheme="wint", bits=8, group_size=-1),
+    "int4": dict(method="rtn", scheme="wint", bits=4, group_size=128),
+    "w8a8-int8": dict(method="rtn", scheme="w8a8", w8a8_dtype="int8"),
+}
+
+
+def on_the_fly_config(name: str) -> QuantConfig:
+    _check("quantization", name, tuple(ON_THE_FLY))
+    return QuantConfig(**ON_THE_FLY[name])

@@ -1,0 +1,195 @@
+"""The quantized ``LinearMethod``s: one for weight-only integers, one for W8A8.
+
+Both follow the Linear contract: the layer arrives with a dense ``weight`` [out, in] (on-the-fly
+quantization at load, RTN), or a calibrated method (AWQ, GPTQ, SmoothQuant) or a pre-quantized
+checkpoint hands the quantized tensors over with ``set_tensors``. Either way the dense weight is
+dropped and the layer holds buffers instead (so ``state_dict`` is the quantized checkpoint):
+
+- ``WeightOnlyMethod``: qweight (int32 [N, K/8] for 4 bits, uint8 [N, K] for 8), scales [N, G],
+  zeros uint8 [N, G] (asymmetric), perm int32 [K] (GPTQ act-order), smooth float32 [K] (AWQ).
+- ``W8A8Method``: qweight (fp8 / int8 [N, K]), w_scales float32 [N], smooth float32 [K]
+  (SmoothQuant), act_scale float32 [] (static activation scale).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.kernels.quant_gemm import FP8_DTYPE, wint_dequant_ref, wint_linear
+from kiln.layers.linear import Linear
+from kiln.quant.config import QuantConfig
+from kiln.quant.rtn import IntWeight, rtn_quantize
+from kiln.quant.w8a8 import STORAGE, check_fp8_supported, quantize_weight, w8a8_linear
+
+DECODE_MAX_M = 16  # rows up to which FP8 may run weight-only (see W8A8Method.decode_weight_only)
+
+
+def _dense(layer: Linear) -> torch.Tensor | None:
+    return layer._parameters.get("weight")
+
+
+def _set(layer: Linear, tensors: dict[str, torch.Tensor | None]) -> None:
+    if "weight" in layer._parameters:
+        del layer._parameters["weight"]
+    for name, tensor in tensors.items():
+        if tensor is not None:
+            tensor = tensor.to(layer.params_device).contiguous()
+        layer.register_buffer(name, tensor)
+
+
+def _check(layer: Linear, what: str, tensors: dict[str, torch.Tensor],
+           spec: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]) -> None:
+    missing = sorted(set(spec) - set(tensors))
+    unknown = sorted(set(tensors) - set(spec))
+    if missing or unknown:
+        raise ValueError(f"{what}: quantized tensors missing {missing or '-'}, unexpected "
+                         f"{unknown or '-'} for this quantization config")
+    for name, (shape, dtypes) in spec.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape or (dtypes and t.dtype not in dtypes):
+            raise ValueError(f"{what}.{name}: got {tuple(t.shape)} {t.dtype}, expected {shape} "
+                             f"{' or '.join(map(str, dtypes)) or 'float'}")
+
+
+class WeightOnlyMethod:
+    """W8A16 (per channel) and W4A16 (group-wise): dequantization inside the GEMM kernel."""
+
+    def __init__(self, cfg: QuantConfig) -> None:
+        self.cfg = cfg
+        self.bits, self.group_size = cfg.bits, cfg.group_size
+
+    def tensor_spec(self, layer: Linear) -> dict[str, tuple[tuple[int, ...], tuple]]:
+        n, k = layer.out_features, layer.in_features
+        groups = 1 if self.group_size == -1 else k // self.group_size
+        spec = {"qweight": ((n, k // 8), (torch.int32,)) if self.bits == 4
+                else ((n, k), (torch.uint8,)),
+                "scales": ((n, groups), ())}
+        if not self.cfg.symmetric:
+            spec["zeros"] = ((n, groups), (torch.uint8,))
+        if self.cfg.act_order:
+            spec["perm"] = ((k,), (torch.int32, torch.int64))
+        if self.cfg.method == "awq":
+            spec["smooth"] = ((k,), ())
+        return spec
+
+    def set_weight(self, layer: Linear, w: IntWeight) -> None:
+        tensors = {"qweight": w.qweight(), "scales": w.scales, "zeros": w.zeros,
+                   "perm": w.perm, "smooth": w.smooth}
+        self.set_tensors(layer, {k: v for k, v in tensors.items() if v is not None}, "layer")
+
+    def set_tensors(self, layer: Linear, tensors: dict[str, torch.Tensor], what: str) -> None:
+        _check(layer, what, tensors, self.tensor_spec(layer))
+        _set(layer, {
+            "qweight": tensors["qweight"],
+            "scales": tensors["scales"].to(layer.params_dtype),
+            "zeros": tensors.get("zeros"),
+            "perm": tensors["perm"].to(torch.int32) if "perm" in tensors else None,
+            "smooth": tensors["smooth"].float() if "smooth" in tensors else None,
+        })
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        w = _dense(layer)
+        if w is not None:  # on-the-fly: round to nearest on the format's grid
+            self.set_weight(layer, rtn_quantize(w, self.bits, self.group_size,
+                                                self.cfg.symmetric, scale_dtype=w.dtype))
+
+    def dequantized_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        return wint_dequant_ref(layer.qweight, layer.scales, layer.zeros, self.bits,
+                                self.group_size, dtype, layer.perm, layer.smooth)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return wint_linear(x, layer.qweight, layer.scales, layer.zeros, self.bits,
+                           self.group_size, layer.perm, layer.smooth, layer.bias)
+
+
+class W8A8Method:
+    """FP8 (``torch._scaled_mm``) or INT8 (``torch._int_mm``) weights and activations.
+
+    ``decode_weight_only``: on CUDA, batches of at most DECODE_MAX_M rows run the FP8 weights
+    through the weight-only GEMV (activations stay in bf16: no activation rounding, and the
+    decode step is bound by reading the weights, which is the same bytes either way). Off by
+    default, so that "W8A8" means W8A8; benchmarks/gpu_quant.py times both.
+    """
+
+    def __init__(self, cfg: QuantConfig, decode_weight_only: bool = False) -> None:
+        self.cfg = cfg
+        self.kind = cfg.w8a8_dtype
+        self.decode_weight_only = decode_weight_only
+
+    def tensor_spec(self, layer: Linear) -> dict[str, tuple[tuple[int, ...], tuple]]:
+        n, k = layer.out_features, layer.in_features
+        spec = {"qweight": ((n, k), (STORAGE[self.kind],)), "w_scales": ((n,), ())}
+        if self.cfg.method == "smoothquant":
+            spec["smooth"] = ((k,), ())
+        if self.cfg.activation_scheme == "static":
+            spec["act_scale"] = ((), ())
+        return spec
+
+    def set_tensors(self, layer: Linear, tensors: dict[str, torch.Tensor], what: str) -> None:
+        _check(layer, what, tensors, self.tensor_spec(layer))
+        if self.kind == "fp8":
+            check_fp8_supported(layer.params_device)
+        _set(layer, {
+            "qweight": tensors["qweight"],
+            "w_scales": tensors["w_scales"].float(),
+            "smooth": tensors["smooth"].float() if "smooth" in tensors else None,
+            "act_scale": tensors["act_scale"].float() if "act_scale" in tensors else None,
+        })
+
+    def quantize_dense(self, layer: Linear, w: torch.Tensor, smooth: torch.Tensor | None = None,
+                       act_scale: torch.Tensor | None = None) -> None:
+        """Quantize ``w`` (already multiplied by SmoothQuant's s when ``smooth`` is given)."""
+        wq, scales = quantize_weight(w, self.kind, self.cfg.weight_granularity)
+        tensors = {"qweight": wq, "w_scales": scales}
+        if smooth is not None:
+            tensors["smooth"] = smooth
+        if act_scale is not None:
+            tensors["act_scale"] = act_scale.reshape(())
+        self.set_tensors(layer, tensors, "layer")
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        w = _dense(layer)
+        if w is not None:
+            if self.kind == "fp8":
+                check_fp8_supported(w.device)
+            self.quantize_dense(layer, w)
+
+    def dequantized_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        w = layer.qweight.float() * layer.w_scales[:, None]
+        return (w if layer.smooth is None else w * layer.smooth[None, :]).to(dtype)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if (self.decode_weight_only and self.kind == "fp8" and x.is_cuda
+                and x.numel() <= DECODE_MAX_M * x.shape[-1]):
+            return wint_linear(x, layer.qweight, layer.w_scales[:, None], None, 8, -1, None,
+                               layer.smooth, layer.bias)
+        return w8a8_linear(x, layer.qweight, layer.w_scales, self.kind, layer.smooth,
+                           layer.act_scale, layer.bias)
+
+
+QuantMethod = WeightOnlyMethod | W8A8Method
+
+
+def make_method(cfg: QuantConfig) -> QuantMethod:
+    return WeightOnlyMethod(cfg) if cfg.scheme == "wint" else W8A8Method(cfg)
+
+
+def quantized_linears(model: torch.nn.Module) -> list[tuple[str, Linear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+
+
+def install_methods(model: torch.nn.Module, cfg: QuantConfig) -> list[tuple[str, Linear]]:
+    """Give every Linear the config's method (checked against its shape); weights untouched."""
+    method = make_method(cfg)
+    layers = quantized_linears(model)
+    for name, layer in layers:
+        cfg.check_layer(layer.in_features, name)
+        if not hasattr(layer, "params_dtype"):
+            layer.params_dtype = layer.weight.dtype
+            layer.params_device = layer.weight.device
+        layer.method = method
+    return layers
+
+
+__all__ = ["FP8_DTYPE", "QuantMethod", "W8A8Method", "WeightOnlyMethod", "install_methods",
+           "make_method", "quantized_linears"]

@@ -1,0 +1,162 @@
+"""W8A8: 8-bit weights and activations (FP8 e4m3 or INT8) through cuBLAS.
+
+    xq[m, k] = q(x[m, k] * smooth[k] / sx[m]),  sx[m] = max_k |x[m, k] * smooth[k]| / QMAX
+    y[m, n]  = sx[m] * sw[n] * sum_k xq[m, k] wq[n, k] + b[n]
+
+Activation scales are dynamic per token (one absmax per row) or static per tensor (a calibrated
+scalar). ``smooth`` is SmoothQuant's 1 / s, applied where x is read, so no other layer changes.
+FP8 runs ``torch._scaled_mm`` (row-wise scales, sm_89+), INT8 ``torch._int_mm``; the references
+simulate both in float32 (the CPU path and the test oracle). q() rounds half away from zero for
+INT8 (``floor(v + 0.5)`` in both paths) and to nearest-even for FP8 (the hardware cast).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels._triton import next_power_of_2, tl, triton, use_triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+QMAX = {"fp8": 448.0, "int8": 127.0}
+STORAGE = {"fp8": FP8_DTYPE, "int8": torch.int8}
+MIN_AMAX = 1e-6  # an all-zero row still gets a finite scale
+
+
+@triton.jit
+def _quant_per_token_kernel(
+    x_ptr, smooth_ptr, static_ptr, q_ptr, scale_ptr, K, stride_x, stride_q,
+    QMAX_: tl.constexpr, MIN_AMAX_: tl.constexpr, IS_FP8: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+    STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
+            x = x.to(tl.float32)
+            if HAS_SMOOTH:
+                x *= tl.load(smooth_ptr + k0 + offs, mask=k0 + offs < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX_) / QMAX_
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        mask = k0 + offs < K
+        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SMOOTH:
+            x *= tl.load(smooth_ptr + k0 + offs, mask=mask, other=0.0)
+        v = tl.minimum(tl.maximum(x / scale, -QMAX_), QMAX_)
+        if IS_FP8:
+            q = v.to(q_ptr.dtype.element_ty)
+        else:
+            q = tl.floor(v + 0.5).to(tl.int8)
+        tl.store(q_ptr + row * stride_q + k0 + offs, q, mask=mask)
+
+
+def quant_per_token_triton(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None,
+                           static_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] fp8/int8, scales [M, 1] float32); one program per row."""
+    m, k = x.shape
+    assert x.stride(1) == 1
+    q = torch.empty(m, k, dtype=STORAGE[kind], device=x.device)
+    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scales
+    block = min(next_power_of_2(k), 2048)
+    dummy = scales
+    _quant_per_token_kernel[(m,)](
+        x, smooth if smooth is not None else dummy,
+        static_scale if static_scale is not None else dummy, q, scales, k, x.stride(0), q.stride(0),
+        QMAX_=QMAX[kind], MIN_AMAX_=MIN_AMAX, IS_FP8=kind == "fp8", HAS_SMOOTH=smooth is not None,
+        STATIC=static_scale is not None, BLOCK_K=block, num_warps=4 if block <= 1024 else 8,
+    )  # fmt: skip
+    return q, scales
+
+
+def quant_per_token_ref(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None,
+                        static_scale: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float() if smooth is None else x.float() * smooth.float()
+    if static_scale is not None:
+        scales = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    else:
+        scales = xf.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / QMAX[kind]
+    v = (xf / scales).clamp(-QMAX[kind], QMAX[kind])
+    q = v.to(FP8_DTYPE) if kind == "fp8" else torch.floor(v + 0.5).to(torch.int8)
+    return q, scales.contiguous()
+
+
+def quant_per_token(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None,
+                    static_scale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return quant_per_token_triton(x, kind, smooth, static_scale)
+    return quant_per_token_ref(x, kind, smooth, static_scale)
+
+
+def quantize_weight(w: torch.Tensor, kind: str, granularity: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense [N, K] -> (wq [N, K] fp8/int8, scales [N] float32; equal when per tensor)."""
+    wf = w.float()
+    amax = wf.abs().amax() if granularity == "tensor" else wf.abs().amax(-1)
+    scales = (amax.clamp_min(MIN_AMAX) / QMAX[kind]).expand(w.shape[0]).contiguous()
+    v = (wf / scales[:, None]).clamp(-QMAX[kind], QMAX[kind])
+    wq = v.to(FP8_DTYPE) if kind == "fp8" else torch.round(v).to(torch.int8)
+    return wq, scales
+
+
+def w8a8_linear_ref(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, kind: str,
+                    smooth: torch.Tensor | None = None, static_scale: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quant_per_token_ref(x2, kind, smooth, static_scale)
+    y = (xq.float() @ wq.float().t()) * xs * w_scales.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def _int_mm_padded(xq: torch.Tensor, wq_t: torch.Tensor) -> torch.Tensor:
+    m = xq.shape[0]
+    if m > 16:  # cuBLAS int8 GEMM needs more than 16 rows
+        return torch._int_mm(xq, wq_t)
+    padded = F.pad(xq, (0, 0, 0, 17 - m))
+    return torch._int_mm(padded, wq_t)[:m]
+
+
+def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, kind: str,
+                smooth: torch.Tensor | None = None, static_scale: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b with W8A8; x [..., K] -> [..., N] in x.dtype. wq is [N, K] row-major."""
+    if not (use_triton(x, wq) and x.is_cuda):
+        return w8a8_linear_ref(x, wq, w_scales, kind, smooth, static_scale, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    xq, xs = quant_per_token_triton(x2, kind, smooth, static_scale)
+    if kind == "fp8":
+        # row-wise scaling takes bf16 output only; [K, N] column-major is wq.t()
+        y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scales.float()[None, :],
+                             out_dtype=torch.bfloat16, bias=None if bias is None
+                             else bias.to(torch.bfloat16)).to(x.dtype)
+    else:
+        acc = _int_mm_padded(xq, wq.t())
+        y = (acc.float() * xs * w_scales.float()[None, :]).to(x.dtype)
+        if bias is not None:
+            y += bias
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def check_fp8_supported(device: torch.device) -> None:
+    """FP8 GEMMs need sm_89+ (Ada, Hopper); the CPU runs the float32 reference instead."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"FP8 W8A8 needs a GPU with compute capability >= 8.9 (Ada or Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}. Use "
+                         f"--quantization int8 (W8A16) or w8a8-int8 instead")

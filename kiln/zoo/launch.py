@@ -1,0 +1,81 @@
+"""Start a training run: resolve a time budget into steps and record the command that
+reproduces the run. Free of typer, so a bare machine with only torch and transformers can call
+`run_training` directly."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from collections.abc import Callable
+
+import torch
+
+from kiln.zoo.checkpoint import TrainState
+from kiln.zoo.train import (
+    DEFAULT_TOKENIZER_DIR,
+    SIZES,
+    TrainConfig,
+    autocast,
+    build_model,
+    llama_config,
+    make_optimizer,
+    resolve_device,
+    train,
+)
+
+
+def estimate_steps(cfg: TrainConfig, budget_s: float, num_timed: int = 10) -> int:
+    """Steps that fit `budget_s` seconds, from timing a few steps on random tokens."""
+    device = resolve_device(cfg.device)
+    config = llama_config(cfg.size, 8192, {"bos": 1, "eos": 2, "pad": 0})
+    model = build_model(config, cfg.seed).to(device)
+    optimizer = make_optimizer(model, cfg, device)
+    batch = torch.randint(0, 8192, (cfg.batch_size, cfg.preset.context_len), device=device)
+    for i in range(num_timed + 3):
+        if i == 3:  # the first steps pay for allocation and kernel selection
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        with autocast(device):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    loss.item()
+    step_s = (time.perf_counter() - t0) / num_timed
+    del model, optimizer
+    return max(1, int(budget_s / step_s))
+
+
+def reproducing_command(cfg: TrainConfig) -> str:
+    """The `kiln zoo train` line for `cfg`, with --steps resolved (budgets differ by machine)."""
+    preset = SIZES[cfg.size]
+    args = ["kiln", "zoo", "train", "--size", cfg.size, "--out", str(cfg.out_dir)]
+    args += ["--steps", str(cfg.steps)]
+    if cfg.batch_size != preset.batch_size:
+        args += ["--batch-size", str(cfg.batch_size)]
+    if cfg.lr != preset.lr:
+        args += ["--lr", f"{cfg.lr:g}"]
+    if cfg.seed != 0:
+        args += ["--seed", str(cfg.seed)]
+    if cfg.max_files is not None:
+        args += ["--max-files", str(cfg.max_files)]
+    if cfg.corpus_root is not None:
+        args += ["--corpus-root", str(cfg.corpus_root)]
+    if cfg.tokenizer_dir != DEFAULT_TOKENIZER_DIR:
+        args += ["--tokenizer", str(cfg.tokenizer_dir)]
+    return shlex.join(args)
+
+
+def run_training(
+    cfg: TrainConfig, budget_s: float | None = None, log: Callable[[str], None] = print
+) -> TrainState:
+    """Train `cfg`; with `budget_s`, first set cfg.steps to what fits that many seconds here."""
+    if budget_s is not None:
+        cfg.steps = estimate_steps(cfg, budget_s)
+        cfg.warmup_steps = None
+        cfg.__post_init__()  # re-derive the warmup from the new step count
+        log(f"budget {budget_s:g}s: {cfg.steps} steps fit")
+    cfg.command = reproducing_command(cfg)
+    return train(cfg, log=log)

@@ -1,0 +1,110 @@
+"""Prefix caching, parallel samples, abort and input validation in the paged engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import make_engine, run_all
+
+import kiln
+
+
+def test_prefix_cache_computes_only_new_tokens(tiny_llama):
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 300) for _ in range(200)]
+    first, second = prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]
+    params = kiln.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cached = make_engine(tiny_llama, block_size=16)
+    run_all(cached, [first], [params])
+    hits_before = cached.kv.stats.prefix_cache_hits
+    got = run_all(cached, [second], [params])
+    reused = cached.kv.stats.prefix_cache_hits - hits_before
+    assert reused == 192  # the 12 full 16-token blocks of the shared 200-token prefix
+    done = cached.stats  # the second prompt computed only its uncached tail
+    assert done.prompt_tokens == len(first) + len(second)
+    uncached = make_engine(tiny_llama, block_size=16, enable_prefix_caching=False)
+    assert got == run_all(uncached, [second], [params])
+    assert uncached.kv.stats.prefix_cache_hits == 0
+
+
+def test_prefix_cache_hit_skips_compute(tiny_llama):
+    """Count the tokens the model actually ran through its forward pass."""
+    rng = random.Random(4)
+    prefix = [rng.randrange(3, 300) for _ in range(200)]
+    engine = make_engine(tiny_llama, block_size=16)
+    computed: list[int] = []
+    original = engine.runner.execute
+
+    def counting_execute(out):
+        computed.append(out.num_tokens)
+        return original(out)
+
+    engine.runner.execute = counting_execute
+    params = kiln.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    run_all(engine, [prefix + [7]], [params])
+    computed.clear()
+    engine.add_request("b", prefix + [8, 9, 10], params)
+    engine.run_to_completion()
+    assert sum(computed) == len(prefix) + 3 - 192
+
+
+def test_parallel_samples_share_prompt_blocks_and_are_reproducible(tiny_llama):
+    prompt = list(range(10, 10 + 40))  # 40 tokens: two full blocks and a shared partial one
+    params = kiln.SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=1234,
+                                 ignore_eos=True)
+    engine = make_engine(tiny_llama, block_size=16)
+    engine.add_request("a", prompt, params)
+    engine.step()  # prefill + the fork
+    tables = [engine.kv.block_table(f"a#{i}") for i in range(4)]
+    assert all(t[:2] == tables[0][:2] for t in tables)  # full prompt blocks shared
+    assert all(engine.kv.gpu_pool.ref_count(b) == 4 for b in tables[0][:2])
+    engine.step()  # each sample writes its first token: the partial block is copied on write
+    partial = {engine.kv.block_table(f"a#{i}")[2] for i in range(4)}
+    assert len(partial) == 4
+    first = {o.request_id: o for o in engine.run_to_completion()}["a"]
+    samples = [c.token_ids for c in first.outputs]
+    assert len({tuple(s) for s in samples}) == 4, "the four samples should differ"
+    again = make_engine(tiny_llama, block_size=16)
+    # reproducible whatever else shares the batch
+    others = [kiln.SamplingParams(max_tokens=5, temperature=0.7, ignore_eos=True)] * 3
+    run_ids = run_all(again, [prompt, [5, 6, 7], [8, 9], list(range(50, 90))],
+                      [params, *others])
+    assert run_ids["0"] == samples
+    assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_abort_mid_generation_frees_blocks(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=4)
+    params = kiln.SamplingParams(max_tokens=50, ignore_eos=True)
+    engine.add_request("x", list(range(3, 40)), params)
+    engine.add_request("y", list(range(3, 10)), kiln.SamplingParams(max_tokens=3,
+                                                                   ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.usage > 0
+    out = engine.abort_request("x")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    engine.run_to_completion()
+    assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv.check_integrity()
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], {}, "empty"),
+    ([7] * 600, {}, "max_model_len"),
+    ([5], {"max_tokens": 0}, "max_tokens"),
+    ([5], {"top_p": 0.0}, "top_p"),
+    ([5], {"top_p": 1.5}, "top_p"),
+    ([5], {"temperature": -1.0}, "temperature"),
+    ([5], {"n": 0}, "n"),
+    ([10_000], {}, "vocabulary"),
+])
+def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama, prompt, params, message):
+    engine = make_engine(tiny_llama)
+    engine.add_request("good", [5, 6, 7], kiln.SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, kiln.SamplingParams(**params))
+    done = engine.run_to_completion()
+    assert [o.request_id for o in done] == ["good"]
+    assert len(done[0].outputs[0].token_ids) == 4

@@ -1,0 +1,122 @@
+"""Bad checkpoints and bad options fail with errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import kiln
+from kiln.models import load_model
+
+
+@pytest.fixture
+def model_copy(tiny_llama, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_llama, dst)
+    return dst
+
+
+def test_unknown_architecture_lists_supported(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model(str(model_copy), device="cpu")
+
+
+def _shard(model_copy) -> tuple[str, str]:
+    """Split model.safetensors into two shards with an index; return the shard names."""
+    tensors = load_file(str(model_copy / "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(model_copy / file))
+    (model_copy / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}
+    (model_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tuple(halves)
+
+
+def test_sharded_checkpoint_loads_and_matches(model_copy, tiny_llama):
+    _shard(model_copy)
+    ids = torch.tensor([[5, 9, 17, 40]])
+    sharded = load_model(str(model_copy), dtype="float32", device="cpu").model.full_logits(ids)
+    single = load_model(str(tiny_llama), dtype="float32", device="cpu").model.full_logits(ids)
+    assert torch.equal(sharded, single)
+
+
+def test_missing_shard_names_the_file(model_copy):
+    _, second = _shard(model_copy)
+    (model_copy / second).unlink()
+    with pytest.raises(FileNotFoundError, match=second):
+        load_model(str(model_copy), device="cpu")
+
+
+def test_wrong_shape_names_file_and_tensor(model_copy):
+    path = model_copy / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = torch.randn(tensors[name].shape[0], tensors[name].shape[1] + 1)
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=r"model\.safetensors.*down_proj\.weight.*shape"):
+        load_model(str(model_copy), device="cpu")
+
+
+def test_missing_tensor_is_named(model_copy):
+    path = model_copy / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match="missing 1 tensor.*layers.0.self_attn.k_proj.weight"):
+        load_model(str(model_copy), device="cpu")
+
+
+def test_truncated_file_is_reported(model_copy):
+    path = model_copy / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors.*truncated"):
+        load_model(str(model_copy), device="cpu")
+
+
+def test_pickled_weights_are_refused(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    (model_copy / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(FileNotFoundError, match="pickled weights are never loaded"):
+        load_model(str(model_copy), device="cpu")
+
+
+def test_unknown_dtype_string(tiny_llama):
+    with pytest.raises(ValueError, match="dtype='float8'.*bfloat16"):
+        kiln.LLM(str(tiny_llama), dtype="float8", device="cpu")
+
+
+def test_unknown_engine_option(tiny_llama):
+    with pytest.raises(TypeError, match="unknown engine option 'blocksize'.*block_size"):
+        kiln.LLM(str(tiny_llama), device="cpu", blocksize=16)
+
+
+def test_empty_prompt(tiny_llama):
+    llm = kiln.LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[]])
+
+
+def test_offline_hub_id_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match="could not download 'kiln-org/absent'.*HF_HUB_OFFLINE"):
+        load_model("kiln-org/absent", device="cpu")
+
+
+def test_dummy_load_needs_only_config(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    loaded = load_model(str(model_copy), device="cpu", load_format="dummy")
+    logits = loaded.model.full_logits(torch.tensor([[1, 2, 3]]))
+    assert torch.isfinite(logits).all() and logits.std() > 0
