@@ -19,7 +19,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8")
 # on-the-fly quantization at load (pre-quantized checkpoints declare their own format)
-QUANTIZATION_METHODS = ("fp8", "int8", "int4", "w8a8-int8")
+# (kiln.quant.config.ON_THE_FLY maps each name to its format)
+QUANTIZATION_METHODS = ("fp8", "fp8-tensor", "int8", "int4", "w8a8-int8")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -50,10 +50,16 @@ def build_tokenizer(path: Path) -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
-def build_model(variant: str, path: Path, seed: int = 0, tokenizer: bool = True) -> Path:
+# head_dim 64: the smallest geometry the Triton attention kernels take (GQA ratio 4)
+TRITON_GEOMETRY = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4,
+                       num_key_value_heads=1)
+
+
+def build_model(variant: str, path: Path, seed: int = 0, tokenizer: bool = True,
+                **overrides) -> Path:
     """Save a random ``variant`` checkpoint (float32) with a tokenizer into ``path``."""
     config_cls, model_cls, extra = VARIANTS[variant]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # HF inits norms to 1; random norms exercise the weight mapping

@@ -1,11 +1,11 @@
 """KVCacheManager: per-sequence block tables over a BlockPool (prefix reuse, CoW, fork, swap).
 
 The manager only does bookkeeping; data moves happen in KVCache when the engine executes the
-pairs this class hands out. Within one engine step, execute them in this order:
-swap_out pairs, then take_pending_copies(), then swap_in pairs, then the forward pass. That
-order is safe because a block id is only reused after the data it held was read, provided the
-scheduler (as vLLM's v0 scheduler does) does not swap in during a step that swapped out, and
-preempts a sequence before, not after, calling allocate_slots for it in that step.
+pairs this class hands out. Within one engine step, execute them in this order: swap_out
+pairs, take_pending_copies(), swap_in pairs, then the forward pass. A block freed during the
+step may be handed out again in the same step, and this order reads its old data before
+anything writes the new. It holds if the scheduler, like vLLM's v0 one, never swaps in during
+a step that swapped out (a CPU block freed by the swap-in could be overwritten first).
 """
 
 from __future__ import annotations
@@ -57,8 +57,6 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self.stats = CacheStats()
 
-    # ---- queries -------------------------------------------------------------------------
-
     @property
     def num_free_blocks(self) -> int:
         return self.gpu_pool.num_free_blocks
@@ -87,8 +85,6 @@ class KVCacheManager:
         """(src, dst) GPU block copies owed by copy-on-write; the caller must execute them."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
-
-    # ---- lifecycle -----------------------------------------------------------------------
 
     def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
         """Start a new sequence on the longest cached prefix; return the tokens it covers.
@@ -129,15 +125,15 @@ class KVCacheManager:
         (ref_count > 1, e.g. after fork) is replaced by a fresh block first (copy-on-write);
         if it already holds written KV, a (src, dst) copy is queued for take_pending_copies.
         Returns False and changes nothing if new + CoW blocks exceed the free blocks.
-        An unknown seq_id starts a new sequence (no match_prefix needed without prefix caching).
+        An unknown seq_id starts a new sequence, registered only if the allocation succeeds.
         """
-        if seq_id not in self._num_tokens:
-            self._new_seq(seq_id)
-        table = self._running_table(seq_id, "allocate_slots")
-        if not 0 <= num_computed_tokens <= min(num_tokens, self._num_tokens[seq_id]):
+        is_new = seq_id not in self._num_tokens
+        table = [] if is_new else self._running_table(seq_id, "allocate_slots")
+        reserved = 0 if is_new else self._num_tokens[seq_id]
+        if not 0 <= num_computed_tokens <= min(num_tokens, reserved):
             raise ValueError(
                 f"allocate_slots({seq_id!r}): num_computed_tokens={num_computed_tokens} must be "
-                f"in [0, min(num_tokens={num_tokens}, reserved={self._num_tokens[seq_id]})]"
+                f"in [0, min(num_tokens={num_tokens}, reserved={reserved})]"
             )
         bs = self.block_size
         num_required = self.num_blocks_needed(num_tokens)
@@ -153,7 +149,9 @@ class KVCacheManager:
             if i * bs < num_computed_tokens:
                 self._pending_copies.append((src, table[i]))
         table.extend(self.gpu_pool.allocate() for _ in range(num_new))
-        self._num_tokens[seq_id] = max(self._num_tokens[seq_id], num_tokens)
+        if is_new:
+            self._new_seq(seq_id).extend(table)
+        self._num_tokens[seq_id] = max(reserved, num_tokens)
         return True
 
     def cache_full_blocks(
@@ -206,8 +204,12 @@ class KVCacheManager:
             pool.release(block_id)
         del self._num_tokens[seq_id]
         del self._block_hashes[seq_id]
-
-    # ---- swap ----------------------------------------------------------------------------
+        if self._pending_copies:
+            # A copy into a block freed this step is moot, and its dst may be reallocated as
+            # another copy's dst: two writes to one block in one batched copy have no order.
+            self._pending_copies = [
+                (src, dst) for src, dst in self._pending_copies if self.gpu_pool.ref_count(dst)
+            ]
 
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         blocks = {b for s in seq_ids for b in self._running_table(s, "can_swap_out")}
@@ -296,8 +298,6 @@ class KVCacheManager:
     def _num_swap_in_blocks(self, hits: dict[int, int], misses: list[int]) -> int:
         revived = {gpu for gpu in hits.values() if self.gpu_pool.ref_count(gpu) == 0}
         return len(misses) + len(revived)
-
-    # ---- internals -----------------------------------------------------------------------
 
     def _new_seq(self, seq_id: Hashable) -> list[int]:
         table: list[int] = []

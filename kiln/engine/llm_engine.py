@@ -41,7 +41,8 @@ class LLMEngine:
                                              arch.head_dim)
         cc = config.cache
         start = time.perf_counter()
-        num_blocks, num_cpu_blocks = num_kv_blocks_for(config, self.loaded, self.max_model_len)
+        num_blocks, num_cpu_blocks = num_kv_blocks_for(config, self.loaded, self.max_model_len,
+                                                       self.backend)
         self.kv_cache = KVCache(arch.num_layers, num_blocks, cc.block_size,
                                 self.loaded.model.num_kv_heads, arch.head_dim, self.loaded.dtype,
                                 self.loaded.device, num_cpu_blocks=num_cpu_blocks)
@@ -52,7 +53,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.startup_seconds = {"load_weights": self.loaded.load_seconds,
-                                "size_and_allocate_kv": time.perf_counter() - start}
+                                "warm_up_size_and_allocate_kv": time.perf_counter() - start}
+        if self.backend == "triton" and not config.enforce_eager:
+            self.startup_seconds["capture_cuda_graphs"] = self.runner.capture_decode_graphs(
+                config.scheduler.max_num_seqs, self.max_model_len)
+        log.info("start-up: %s", ", ".join(f"{k} {v:.1f} s"
+                                            for k, v in self.startup_seconds.items()))
         log.info("KV cache: %d blocks of %d tokens (%d tokens), %d CPU swap blocks; attention "
                  "backend %s; max_model_len %d", num_blocks, cc.block_size,
                  num_blocks * cc.block_size, num_cpu_blocks, self.backend, self.max_model_len)

@@ -15,6 +15,7 @@ import torch
 
 from kiln.cache.kv_cache import KVCache
 from kiln.cache.kv_cache_manager import KVCacheManager
+from kiln.engine.cuda_graphs import DecodeGraphs
 from kiln.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kiln.engine.sequence import Sequence
 from kiln.layers.attention import AttentionMetadata
@@ -54,6 +55,13 @@ class ModelRunner:
         self.backend = attention_backend
         self.sampler = Sampler()
         self.kv_caches = list(zip(kv_cache.k_caches, kv_cache.v_caches, strict=True))
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Enable CUDA-graph decode (CUDA + Triton attention only); returns capture seconds."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len,
+                                   self.block_size, self.device)
+        return self.graphs.capture()
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
         tokens: list[int] = []
@@ -98,21 +106,37 @@ class ModelRunner:
         self.apply_cache_ops(out)
         scheduled = out.scheduled
         batch = self.prepare(scheduled)
+        if self._graph_step(scheduled):
+            logits = self.graphs.run(batch.meta, batch.input_ids, batch.positions)
+            return self._sample(logits, [(item, row) for row, item in enumerate(scheduled)], [])
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
         prompt_lps = self._prompt_logprobs(scheduled, hidden, ends)
-        rows, seqs = [], []
-        for item, end in zip(scheduled, ends, strict=True):
-            if not item.samples:
-                continue
-            # a request's first sample forks: its last prompt row is sampled once per sequence
-            group = item.request.seqs if not item.request.forked else [item.seq]
-            rows += [int(end)] * len(group)
-            seqs += group
-        if not rows:
+        sampling = [(item, int(end)) for item, end in zip(scheduled, ends, strict=True)
+                    if item.samples]
+        if not sampling:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return StepResult([], empty, None, prompt_lps)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        rows = torch.tensor([row for _, row in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        return self._sample(logits, [(item, i) for i, (item, _) in enumerate(sampling)],
+                            prompt_lps)
+
+    def _graph_step(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Pure decode steps (one new token per sequence, all sampling) replay a graph."""
+        return (self.graphs is not None and self.graphs.fits(len(scheduled))
+                and all(item.num_new_tokens == 1 and item.samples for item in scheduled))
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledSeq, int]],
+                prompt_lps: list[tuple[ScheduledSeq, LogprobsTensors]]) -> StepResult:
+        """Sample each (item, logits row); a request's first sample forks into n sequences."""
+        index, seqs = [], []
+        for item, row in rows:
+            group = item.request.seqs if not item.request.forked else [item.seq]
+            index += [row] * len(group)
+            seqs += group
+        if index != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(index, device=self.device)]
         meta = SamplingMetadata.build(
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],

@@ -54,7 +54,8 @@ def attention_backend_for(requested: str, device: torch.device, head_dim: int) -
     return "triton"
 
 
-def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: int) -> int:
+def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: int,
+                           backend: str) -> int:
     """Run the largest prefill a step can hold and measure what it needed beyond the weights."""
     model, arch, device = loaded.model, loaded.arch, loaded.device
     seq_len = min(num_tokens, max_model_len - 1)
@@ -64,7 +65,8 @@ def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: 
     before = torch.cuda.memory_allocated(device)
     caches = contiguous_kv_caches(arch.num_layers, num_seqs, seq_len, model.num_kv_heads,
                                   arch.head_dim, loaded.dtype, device)
-    meta = contiguous_metadata([0] * num_seqs, [seq_len] * num_seqs, seq_len, caches, device)
+    meta = contiguous_metadata([0] * num_seqs, [seq_len] * num_seqs, seq_len, caches, device,
+                               backend=backend)
     ids = torch.randint(0, arch.vocab_size, (num_seqs * seq_len,), device=device)
     positions = torch.arange(seq_len, device=device).repeat(num_seqs)
     with torch.inference_mode():
@@ -77,8 +79,8 @@ def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: 
     return peak
 
 
-def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel,
-                      max_model_len: int) -> tuple[int, int]:
+def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, max_model_len: int,
+                      backend: str) -> tuple[int, int]:
     """(GPU-or-CPU pool blocks, CPU swap blocks), failing clearly if one request cannot fit."""
     cc, arch = config.cache, loaded.arch
     per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, loaded.model.num_kv_heads,
@@ -89,7 +91,7 @@ def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel,
     elif loaded.device.type == "cuda":
         knob = "gpu_memory_utilization"
         peak = _peak_activation_bytes(loaded, config.scheduler.max_num_batched_tokens,
-                                      max_model_len)
+                                      max_model_len, backend)
         free, total = torch.cuda.mem_get_info(loaded.device)
         budget = cc.gpu_memory_utilization * total - (total - free) - peak
         num_blocks = max(0, int(budget // per_block))

@@ -70,6 +70,8 @@ def _wint_gemm_kernel(
                              other=0)
             shifts = tl.arange(0, 8) * 4
             u = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K])
+        elif W_FP8:  # no `other`: fp8 has no integer zero; masked lanes are zeroed below
+            u = tl.load(w_rows + offs_k[None, :], mask=wk_mask)
         else:
             u = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0)
         # per-(row, group) scales of this tile: [BLOCK_N, GROUPS_PER_TILE]
@@ -114,6 +116,8 @@ def _wint_dequant_kernel(
     if BITS == 4:
         word = tl.load(w_ptr + rows * stride_wn + offs_k[None, :] // 8, mask=mask, other=0)
         u = (word >> ((offs_k[None, :] % 8) * 4)) & 0xF
+    elif W_FP8:
+        u = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask)
     else:
         u = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0)
     groups = offs_k[None, :] // group_size

@@ -22,6 +22,7 @@ from kiln.config import normalize_dtype
 from kiln.models.arch import ArchConfig, arch_from_hf_config
 from kiln.models.llama import LlamaForCausalLM
 from kiln.parallel import SINGLE, TPContext
+from kiln.quant.checkpoint import setup_quantization
 
 log = logging.getLogger("kiln.loader")
 
@@ -194,8 +195,13 @@ def load_tokenizer(path: Path) -> Any:
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto", load_format: str = "auto",
                revision: str | None = None, max_model_len: int | None = None,
-               tp: TPContext = SINGLE, seed: int = 0) -> LoadedModel:
-    """Build a Kiln model from ``model`` (directory, hub id or zoo name) ready for inference."""
+               tp: TPContext = SINGLE, seed: int = 0,
+               quantization: str | None = None) -> LoadedModel:
+    """Build a Kiln model from ``model`` (directory, hub id or zoo name) ready for inference.
+
+    ``quantization`` quantizes the dense weights on the fly (kiln.quant.config.ON_THE_FLY); a
+    checkpoint written by ``kiln quantize`` is recognized by its JSON config and loads as is.
+    """
     start = time.perf_counter()
     path = resolve_model_path(model, revision)
     hf_config = read_json(path / "config.json")
@@ -215,7 +221,9 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", load_forma
     for module in net.modules():
         if hasattr(module, "cos_sin_cache"):
             module.cos_sin_cache = module.cos_sin_cache.float()
-    if load_format == "dummy":
+    if setup_quantization(net, path, quantization, files, tp):
+        pass  # a pre-quantized checkpoint: its weights are loaded
+    elif load_format == "dummy":
         init_dummy_weights(net, seed)
     else:
         load_checkpoint_weights(net, files)

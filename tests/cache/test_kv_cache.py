@@ -7,8 +7,16 @@ from kiln.cache import KVCache
 
 
 def make(device: str = "cpu", dtype: torch.dtype = torch.float32) -> KVCache:
-    cache = KVCache(num_layers=3, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=5,
-                    dtype=dtype, device=device, num_cpu_blocks=4)
+    cache = KVCache(
+        num_layers=3,
+        num_blocks=6,
+        block_size=4,
+        num_kv_heads=2,
+        head_dim=5,
+        dtype=dtype,
+        device=device,
+        num_cpu_blocks=4,
+    )
     g = torch.Generator().manual_seed(0)
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=g).to(dtype))
     cache.kv_cpu.copy_(torch.randn(cache.kv_cpu.shape, generator=g).to(dtype))

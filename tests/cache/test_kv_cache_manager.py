@@ -8,8 +8,9 @@ BS = 4
 
 
 def make(num_gpu_blocks: int = 8, prefix: bool = True, num_cpu_blocks: int = 0) -> KVCacheManager:
-    return KVCacheManager(num_gpu_blocks, BS, enable_prefix_caching=prefix,
-                          num_cpu_blocks=num_cpu_blocks)
+    return KVCacheManager(
+        num_gpu_blocks, BS, enable_prefix_caching=prefix, num_cpu_blocks=num_cpu_blocks
+    )
 
 
 def prefill(m: KVCacheManager, seq_id: str, tokens: list[int]) -> int:
@@ -47,6 +48,25 @@ def test_allocate_failure_changes_nothing():
     after = (m.block_table("a"), m.block_table("b"), m.gpu_pool.free_block_ids(), refs(m))
     assert after == before
     assert m.allocate_slots("b", 12, 8) and m.block_table("b") == [5, 6, 7]
+    m.check_integrity()
+
+
+def test_failed_first_allocation_does_not_register_the_sequence():
+    m = make(num_gpu_blocks=2)
+    assert not m.allocate_slots("a", 9, 0)
+    with pytest.raises(KeyError, match="unknown"):
+        m.block_table("a")
+    assert m.match_prefix("a", [1, 2, 3]) == 0  # still a new sequence
+    m.check_integrity()
+
+
+def test_freeing_a_sequence_drops_its_pending_copies():
+    m = make()
+    prefill(m, "p", list(range(6)))
+    m.fork("p", "c")
+    assert m.allocate_slots("p", 7, 6) and m.block_table("p") == [0, 2]
+    m.free("p")  # preempted (recompute) in the same step: the copy into block 2 is moot
+    assert m.take_pending_copies() == []
     m.check_integrity()
 
 

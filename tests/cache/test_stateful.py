@@ -14,9 +14,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kiln.cache import KVCacheManager
 
 BS = 4
-NUM_GPU_BLOCKS = 12
+NUM_GPU_BLOCKS = 10  # small enough that allocations fail and cached blocks get evicted
 NUM_CPU_BLOCKS = 8
-tokens_st = st.integers(0, 1)  # a tiny alphabet so prompts share prefixes often
+tokens_st = st.integers(0, 2)
+# Prompts start with a slice of one of two system prompts so that full blocks repeat often.
+SYSTEM_PROMPTS = ([0, 1, 2, 0, 1, 2, 0, 1], [2, 2, 1, 1, 0, 0, 2, 2])
+prompt_st = st.builds(
+    lambda system, cut, tail: system[:cut] + tail,
+    st.sampled_from(SYSTEM_PROMPTS),
+    st.integers(0, 8),
+    st.lists(tokens_st, max_size=6),
+).filter(len)
 
 
 def kv_value(tokens: list[int], pos: int) -> int:
@@ -55,7 +63,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
-    @rule(prompt=st.lists(tokens_st, min_size=1, max_size=14))
+    @rule(prompt=prompt_st)
     def add(self, prompt: list[int]) -> None:
         seq = self.new_id()
         num_cached = self.m.match_prefix(seq, prompt)
@@ -153,8 +161,8 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
+    max_examples=100,
+    stateful_step_count=50,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -93,3 +93,20 @@ def test_swap_out_refuses_pending_copy_destination():
     assert m.allocate_slots("p", 7, 6)  # queues (1, 2), not yet executed
     with pytest.raises(AssertionError, match="pending copy-on-write"):
         m.swap_out(["p"])
+
+
+def test_can_swap_in_counts_revived_cached_blocks_but_not_shared_ones():
+    m = forked_pair(prefix=True)
+    m.swap_out(["p", "c"])  # free queue [3, 4, 5, 6, 7, 2, 1, 0], block 0 still cached
+    assert m.allocate_slots("x", 24, 0) and m.gpu_pool.free_block_ids() == [1, 0]
+    # Reviving cached block 0 takes a free block too: 1 + 2 misses > 2 free.
+    assert not m.can_swap_in(["p", "c"])
+    m.free("x")
+    assert m.match_prefix("q", list(range(6))) == 4 and m.block_table("q") == [0]
+    assert m.allocate_slots("y", 20, 0) and m.gpu_pool.free_block_ids() == [4, 3]
+    # Block 0 is now referenced by q: sharing it costs nothing, the 2 misses fit exactly.
+    assert m.can_swap_in(["p", "c"])
+    assert m.swap_in(["p", "c"]) == [(1, 4), (2, 3)]
+    assert m.block_table("p") == [0, 4] and m.block_table("c") == [0, 3]
+    assert m.gpu_pool.ref_count(0) == 3
+    m.check_integrity()

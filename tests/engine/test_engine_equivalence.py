@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_engine, run_all
+from engine_helpers import make_engine, run_all
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import make_engine, run_all
+from engine_helpers import make_engine, run_all
 
 import kiln
 

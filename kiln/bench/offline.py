@@ -1,0 +1,129 @@
+"""Running a batch of benchmark requests through the in-process engine, and what to record.
+
+Requests are added to ``kiln.LLM``'s engine all at once and stepped to completion; the
+timestamps come from each ``RequestOutput.metrics`` (time.monotonic, taken by the engine as
+tokens are appended), so no client-side guessing enters the figures.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kiln.bench.stats import request_latencies
+from kiln.bench.workload import BenchRequest
+from kiln.llm import LLM
+from kiln.outputs import RequestOutput
+from kiln.sampling.params import SamplingParams
+
+# The benchmark measures compute, not cache reuse: repeated or warm-up prompts would otherwise
+# hit the prefix cache (the peers in shared/GPU.md ran with prefix caching off too).
+BENCH_ENGINE_DEFAULTS = {"enable_prefix_caching": False}
+
+_ids = itertools.count()
+
+
+def make_progress() -> Progress:
+    """A rich progress bar on stderr, silent when stderr is not a terminal (CI, pipes)."""
+    console = Console(stderr=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, disable=not console.is_terminal)
+
+
+def build_llm(model: str, engine_kwargs: dict[str, Any]) -> LLM:
+    kwargs = {**BENCH_ENGINE_DEFAULTS, **engine_kwargs}
+    return LLM(model, **kwargs)
+
+
+def free_llm(llm: LLM) -> None:
+    """Drop the engine's weights and KV pool so a peer can load into the same GPU memory."""
+    engine = llm.engine
+    engine.kv_cache = engine.runner = engine.loaded = None  # type: ignore[assignment]
+    llm.engine = None  # type: ignore[assignment]
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def greedy_params(output_len: int) -> SamplingParams:
+    """Greedy, and every request runs to its full output length."""
+    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+
+
+def run_requests(llm: LLM, requests: list[BenchRequest], progress: Progress | None = None,
+                 description: str = "requests") -> list[RequestOutput]:
+    """Submit every request at once, step to completion; outputs in request order."""
+    engine = llm.engine
+    request_ids = []
+    for r in requests:
+        request_ids.append(f"bench-{next(_ids)}")
+        engine.add_request(request_ids[-1], r.prompt, greedy_params(r.output_len))
+    total = sum(r.output_len for r in requests)
+    task = progress.add_task(description, total=total) if progress is not None else None
+    finished: dict[str, RequestOutput] = {}
+    produced: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if task is not None:
+                n = len(out.outputs[0].token_ids)
+                progress.advance(task, n - produced.get(out.request_id, 0))
+                produced[out.request_id] = n
+            if out.finished:
+                finished[out.request_id] = out
+    if task is not None:
+        progress.remove_task(task)
+    return [finished[rid] for rid in request_ids]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def request_record(out: RequestOutput, case: int, t0: float) -> dict[str, Any]:
+    """The raw timings of one finished request; times in seconds since ``t0``."""
+    m = out.metrics
+    if m is None:
+        raise RuntimeError(f"request {out.request_id} has no metrics")
+    num_output = len(out.outputs[0].token_ids)
+    lat = request_latencies(m.arrival_time, m.token_times, m.finished_time, num_output)
+    return {
+        "case": case, "id": out.request_id, "ok": out.outputs[0].finish_reason == "length",
+        "prompt_tokens": len(out.prompt_token_ids), "output_tokens": num_output,
+        "start_s": round(m.arrival_time - t0, 6),
+        "first_scheduled_s": None if m.first_scheduled_time is None
+        else round(m.first_scheduled_time - t0, 6),
+        "ttft_ms": lat.ttft_ms, "tpot_ms": lat.tpot_ms, "e2e_ms": lat.e2e_ms,
+        "itl_ms": [round(x, 4) for x in lat.itl_ms],
+        "output_times_s": [round(t - t0, 6) for t in m.token_times],
+    }
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of weights a decode step reads: every parameter but the input embedding table,
+    of which a step gathers only one row per token (the LM head reads its full matrix)."""
+    loaded = llm.engine.loaded
+    tied = loaded.arch.tie_word_embeddings
+    return sum(p.numel() * p.element_size() for name, p in loaded.model.named_parameters()
+               if tied or "embed_tokens" not in name)
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    """K and V of one token over all layers, in the KV cache's dtype."""
+    engine = llm.engine
+    k = engine.kv_cache.k_caches[0]
+    per_layer = k[0, 0].numel() * k.element_size()  # [num_kv_heads, head_dim]
+    return 2 * per_layer * len(engine.kv_cache.k_caches)
+
+
+@contextmanager
+def no_grad() -> Iterator[None]:
+    with torch.inference_mode():
+        yield

@@ -1,0 +1,84 @@
+"""``kiln bench throughput``: N requests from a workload, all submitted at once.
+
+Elapsed time runs from the first ``add_request`` to the last finished request (after a few
+short warm-up requests that are not counted). Input and output token counts are the engine's
+own (prompt token ids it holds, tokens it generated).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.bench import offline
+from kiln.bench.hf_peer import HFPeer
+from kiln.bench.result import make_result
+from kiln.bench.stats import latency_metrics
+from kiln.bench.workload import BenchRequest, WorkloadSpec, build_requests
+from kiln.models.loader import resolve_device, resolve_model_path
+
+WARMUP_OUTPUT_LEN = 16
+
+
+@dataclass
+class ThroughputConfig:
+    model: str
+    workload: WorkloadSpec
+    num_warmups: int = 4
+    peer: str | None = None
+    peer_batch_size: int | None = None  # None: every request in one generate call
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def throughput_metrics(records: list[dict], elapsed_s: float) -> dict[str, Any]:
+    num_in = sum(r["prompt_tokens"] for r in records)
+    num_out = sum(r["output_tokens"] for r in records)
+    return {"elapsed_s": elapsed_s, "num_requests": len(records),
+            "total_input_tokens": num_in, "total_output_tokens": num_out,
+            "requests_per_s": len(records) / elapsed_s,
+            "output_tokens_per_s": num_out / elapsed_s,
+            "total_tokens_per_s": (num_in + num_out) / elapsed_s,
+            **latency_metrics(records)}
+
+
+def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
+    device = resolve_device(cfg.engine_kwargs.get("device", "auto"))
+    llm = offline.build_llm(cfg.model, cfg.engine_kwargs)
+    loaded = llm.engine.loaded
+    requests = build_requests(cfg.workload, loaded.arch.vocab_size)
+    with offline.make_progress() as progress:
+        if cfg.num_warmups:
+            warm = [BenchRequest(r.prompt, min(r.output_len, WARMUP_OUTPUT_LEN))
+                    for r in requests[:cfg.num_warmups]]
+            offline.run_requests(llm, warm, progress, "warm-up")
+        offline.sync(loaded.device)
+        t0 = time.monotonic()
+        outs = offline.run_requests(llm, requests, progress, f"{len(requests)} requests")
+        offline.sync(loaded.device)
+        elapsed = time.monotonic() - t0
+        records = [offline.request_record(out, 0, t0) for out in outs]
+        metrics = {"case": {"num_prompts": len(requests)}, **throughput_metrics(records, elapsed)}
+        info = {"dtype": loaded.dtype, "device": loaded.device, "path": loaded.path,
+                "startup_seconds": llm.engine.startup_seconds}
+        peer_name = None
+        if cfg.peer == "hf":
+            offline.free_llm(llm)
+            task = progress.add_task("HF peer", total=None)
+            peer = HFPeer(Path(info["path"] or resolve_model_path(cfg.model)), info["dtype"],
+                          info["device"], cfg.engine_kwargs.get("load_format", "auto"))
+            if cfg.num_warmups:
+                peer.generate([r.prompt for r in requests[:cfg.num_warmups]], WARMUP_OUTPUT_LEN)
+            pm = peer.run_batches(requests, cfg.peer_batch_size or len(requests))
+            peer_name = peer.name
+            metrics["peer"] = pm
+            metrics["peer_speedup"] = {  # > 1: Kiln is faster
+                k: metrics[k] / pm[k]
+                for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
+            progress.remove_task(task)
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("engine_kwargs", "workload")}
+    config.update(engine=cfg.engine_kwargs, engine_defaults=offline.BENCH_ENGINE_DEFAULTS,
+                  peer_engine=peer_name, warmup_output_len=WARMUP_OUTPUT_LEN,
+                  dtype=str(info["dtype"]), startup_seconds=info["startup_seconds"])
+    return make_result("throughput", device, config, cfg.workload.to_dict(), [metrics], records)

@@ -1,0 +1,138 @@
+"""Quantized checkpoints: safetensors in Kiln's module layout plus ``kiln_quant_config.json``.
+
+A quantized directory holds ``config.json`` (the dense model's, unchanged), tokenizer and
+generation files, ``model.safetensors`` with the model's ``state_dict`` (each quantized Linear
+contributes its format's buffers, e.g. ``layers.3.mlp.gate_up_proj.qweight``) and the JSON
+quantization config. ``setup_quantization`` is the loader's one call into this package: it
+installs the methods for ``--quantization`` (on the fly) or recognizes and loads such a
+directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from kiln.parallel import SINGLE, TPContext
+from kiln.quant.config import CONFIG_FILE, QuantConfig, on_the_fly_config
+from kiln.quant.kv_cache import set_kv_scales
+from kiln.quant.methods import install_methods, quantized_linears
+from kiln.quant.w8a8 import check_fp8_supported
+
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                "chat_template.jinja", "added_tokens.json")
+
+
+def save_quantized(model: nn.Module, cfg: QuantConfig, out_dir: str | Path,
+                   source_dir: str | Path | None = None) -> Path:
+    """Write ``model`` (quantized in place) to ``out_dir``; copies config/tokenizer files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
+    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()
+             if not (tied and name == "lm_head.weight")}  # tied: one copy, the embedding
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if source_dir is not None:
+        for name in COPIED_FILES:
+            if (Path(source_dir) / name).is_file():
+                shutil.copy2(Path(source_dir) / name, out / name)
+    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    return out
+
+
+def read_quant_config(path: str | Path) -> QuantConfig | None:
+    """The Kiln quantization config of checkpoint dir ``path``, or None for a dense checkpoint.
+
+    Quantized checkpoints of other tools (a ``quantization_config`` in config.json) are refused
+    with a clear error instead of loading packed integers as if they were weights.
+    """
+    path = Path(path)
+    file = path / CONFIG_FILE
+    if file.is_file():
+        try:
+            data = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file} is not valid JSON: {exc}") from None
+        return QuantConfig.from_json(data, source=str(file))
+    hf = path / "config.json"
+    if hf.is_file():
+        qc = json.loads(hf.read_text()).get("quantization_config")
+        if qc is not None:
+            raise ValueError(f"{path} is quantized by another tool (quant_method="
+                             f"{qc.get('quant_method')!r}); Kiln loads its own quantized "
+                             "checkpoints only: quantize the dense model with `kiln quantize`")
+    return None
+
+
+def load_quantized_weights(model: nn.Module, files: list[Path]) -> None:
+    """Fill a model whose Linears carry quantized methods from Kiln-layout safetensors files."""
+    linears = dict(quantized_linears(model))
+    params = dict(model.named_parameters())
+    required = {n for n in params if not (n.rpartition(".")[0] in linears
+                                          and n.endswith(".weight"))}
+    per_layer: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    seen: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensor = handle.get_tensor(name)
+                owner, _, attr = name.rpartition(".")
+                if owner in linears and attr != "bias":
+                    per_layer[owner][attr] = tensor
+                    continue
+                if name not in required:
+                    raise ValueError(f"{f.name}: tensor {name!r} does not belong to this model")
+                param = params[name]
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{f.name}: tensor {name!r} has shape "
+                                     f"{tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                seen.add(name)
+    missing = sorted(required - seen)
+    if missing:
+        raise ValueError(f"quantized checkpoint is missing {len(missing)} tensor(s): "
+                         f"{', '.join(missing[:5])}")
+    for name, layer in linears.items():
+        layer.method.set_tensors(layer, per_layer.get(name, {}), name)
+
+
+def setup_quantization(model: nn.Module, path: Path | None, quantization: str | None,
+                       files: list[Path], tp: TPContext = SINGLE) -> bool:
+    """The loader's hook, called after the model is built and before weights are loaded.
+
+    - pre-quantized Kiln checkpoint: installs its methods, loads every weight, returns True
+      (the loader then skips its own weight loading);
+    - ``quantization`` given (on the fly): installs the methods, whose
+      ``process_weights_after_loading`` quantizes the dense weights; returns False;
+    - neither: nothing to do, returns False.
+    """
+    pre = read_quant_config(path) if path is not None else None
+    if pre is None:
+        if quantization is None:
+            return False
+        cfg = on_the_fly_config(quantization)
+        layers = install_methods(model, cfg)
+        if cfg.scheme == "w8a8" and cfg.w8a8_dtype == "fp8" and layers:
+            check_fp8_supported(layers[0][1].params_device)
+        return False
+    if quantization is not None:
+        raise ValueError(f"{path} is already quantized ({pre.name}); drop "
+                         f"quantization={quantization!r}")
+    if tp.size > 1:
+        raise ValueError("pre-quantized checkpoints load with tensor_parallel_size=1 only; "
+                         "quantize on the fly (--quantization) to shard across GPUs")
+    if not files:
+        raise ValueError(f"{path} is a quantized checkpoint: load_format='dummy' does not "
+                         "apply; use --quantization with a dense model for dummy weights")
+    install_methods(model, pre)
+    load_quantized_weights(model, files)
+    set_kv_scales(model, pre.kv_cache_scales)
+    return True

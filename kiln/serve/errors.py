@@ -1,0 +1,86 @@
+"""Every error leaves the server in OpenAI's shape: ``{"error": {message, type, param, code}}``.
+
+Handlers turn FastAPI's validation errors (422 by default; OpenAI says 400), Starlette's
+404/405 and anything unexpected into that shape, so clients' error parsing always works.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("kiln.serve")
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error",
+          429: "requests", 500: "server_error", 503: "server_error"}
+_CODES = {401: "invalid_api_key", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+_SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+) ")
+
+
+class APIError(Exception):
+    """An error the client caused or must know about; ``status`` is the HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code or _CODES.get(status)
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code if code is not None else _CODES.get(status)}}
+
+
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code),
+                        status_code=err.status, headers=headers)
+
+
+def bad_request(exc: Exception) -> APIError:
+    """A ValueError/TypeError from validation -> 400, naming the field when the text does."""
+    message = str(exc)
+    match = _SAMPLING_FIELD.match(message)
+    param = None
+    if match:  # "SamplingParams.top_p must be ..." -> "top_p must be ...", param top_p
+        param = match.group(1)
+        message = message[len("SamplingParams."):]
+    return APIError(400, message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return error_response(exc, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        detail = first.get("msg", "invalid request")
+        message = f"{param}: {detail}" if param else detail
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problems)"
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code),
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))

@@ -1,0 +1,30 @@
+"""Shared helpers for the engine tests."""
+
+from __future__ import annotations
+
+import random
+
+import kiln
+from kiln.engine.llm_engine import LLMEngine
+
+
+def make_engine(path, **options) -> LLMEngine:
+    options = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 2048, **options}
+    return LLMEngine.from_kwargs(str(path), **options)
+
+
+def random_workload(num: int, seed: int, max_prompt: int = 300, max_out: int = 24,
+                    vocab: int = 300) -> tuple[list[list[int]], list[kiln.SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, max_prompt))]
+               for _ in range(num)]
+    params = [kiln.SamplingParams(max_tokens=rng.randint(1, max_out), temperature=0.0,
+                                  ignore_eos=True) for _ in range(num)]
+    return prompts, params
+
+
+def run_all(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    done = engine.run_to_completion()
+    return {o.request_id: [c.token_ids for c in o.outputs] for o in done}

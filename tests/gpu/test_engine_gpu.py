@@ -1,0 +1,93 @@
+"""GPU checks of the model and engine (run on the device machine with `pytest -m gpu`).
+
+Figures (max relative error, token match rates) are printed and appended to the JSON file
+named by $KILN_GPU_REPORT so the GPU suite can record them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+import transformers
+from tiny_models import TRITON_GEOMETRY, build_model
+
+import kiln
+from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.reference import reference_generate
+from kiln.models import load_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA GPU")]
+
+
+def report(name: str, value) -> None:
+    print(f"GPU-REPORT {name} = {value}")
+    path = os.environ.get("KILN_GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"name": name, "value": value}) + "\n")
+
+
+@pytest.mark.parametrize("variant", ["llama2", "llama3.1", "mistral", "qwen2", "qwen3"])
+def test_bf16_logits_close_to_transformers(variant, tiny_model_dirs):
+    path = tiny_model_dirs[variant]
+    loaded = load_model(str(path), dtype="bfloat16", device="cuda")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    ref = ref.cuda().eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, loaded.arch.vocab_size, (3, 45), generator=gen).cuda()
+    with torch.no_grad():
+        expected = ref(ids).logits.float()
+    got = loaded.model.full_logits(ids)
+    rel = ((got - expected).norm() / expected.norm()).item()
+    report(f"bf16_logits_rel_error[{variant}]", rel)
+    assert rel <= 2e-2, f"{variant}: relative error {rel:.3e}"
+
+
+def _workload(num: int, seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 300))] for _ in range(num)]
+    params = [kiln.SamplingParams(max_tokens=rng.randint(1, 32), temperature=0.0,
+                                  ignore_eos=True) for _ in range(num)]
+    return prompts, params
+
+
+def _engine_tokens(path, backend: str, prompts, params, **options) -> list[list[int]]:
+    engine = LLMEngine.from_kwargs(str(path), dtype="bfloat16", device="cuda",
+                                   attention_backend=backend, num_kv_blocks=4096,
+                                   max_num_batched_tokens=96, **options)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    done = {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
+    assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def _match_rate(a: list[list[int]], b: list[list[int]]) -> float:
+    total = sum(len(x) for x in a)
+    same = sum(x == y for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
+    return same / total
+
+
+def test_engine_torch_backend_matches_reference_on_cuda(tiny_llama):
+    prompts, params = _workload(64, seed=1)
+    got = _engine_tokens(tiny_llama, "torch", prompts, params)
+    loaded = load_model(str(tiny_llama), dtype="bfloat16", device="cuda")
+    ref = reference_generate(loaded, prompts, params, 512)
+    rate = _match_rate([r.outputs[0].token_ids for r in ref], got)
+    report("engine_torch_vs_reference_bf16_token_match", rate)
+    assert rate >= 0.99
+
+
+def test_engine_triton_backend_and_graphs_match_torch_backend(tmp_path):
+    path = build_model("llama3.1", tmp_path / "hd64", **TRITON_GEOMETRY)
+    prompts, params = _workload(64, seed=2)
+    eager = _engine_tokens(path, "torch", prompts, params, enforce_eager=True)
+    fast = _engine_tokens(path, "triton", prompts, params)  # CUDA graphs for decode
+    rate = _match_rate(eager, fast)
+    report("engine_triton_graphs_vs_torch_bf16_token_match", rate)
+    assert rate >= 0.99

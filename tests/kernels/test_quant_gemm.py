@@ -1,0 +1,175 @@
+"""Weight-only quantized GEMM (W4A16 / W8A16 / FP8-weight) and the W8A8 activation quantizer:
+Triton (interpreted on CPU) vs the PyTorch references, references vs float64 math."""
+
+import importlib
+import sys
+
+import pytest
+import torch
+from kernel_testing import INTERPRET_DTYPES, assert_rel_close, gpu, needs_triton
+
+# A module imported before this package's conftest set TRITON_INTERPRET was built for a GPU:
+# rebuild the two kernel modules under test (the conftest only knows the older kernels).
+if not torch.cuda.is_available():
+    for _name in ("kiln.kernels.quant_gemm", "kiln.quant.w8a8"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
+
+from kiln.kernels import quant_gemm as qg  # noqa: E402
+from kiln.quant import w8a8  # noqa: E402
+
+# Against float64 math on the *dequantized* weight: fp32 differs by summation order only;
+# fp16/bf16 round x, W (and the output) to 2^-11 / 2^-8 relative.
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def make_weight(n, k, bits, group_size, symmetric, fp8=False, gen=None):
+    """Random codes/scales/zeros in the kernel's storage formats, plus the float64 weight."""
+    group = k if group_size == -1 else group_size
+    if fp8:
+        dense = torch.randn(n, k, generator=gen)
+        qweight, s = w8a8.quantize_weight(dense, "fp8", "channel")
+        scales, zeros = s[:, None], None
+        w64 = qweight.double() * scales.double()
+        return qweight, scales, zeros, w64
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen)
+    scales = torch.rand(n, k // group, generator=gen) * 0.05 + 0.005
+    zeros = None if symmetric else torch.randint(0, 2**bits, (n, k // group), generator=gen)
+    z = 2 ** (bits - 1) if zeros is None else zeros.double().repeat_interleave(group, 1)
+    w64 = (codes.double() - z) * scales.double().repeat_interleave(group, 1)
+    if bits == 4:
+        shifts = torch.arange(0, 32, 4)
+        words = (codes.reshape(n, k // 8, 8) << shifts).sum(-1)
+        qweight = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    else:
+        qweight = codes.to(torch.uint8)
+    return qweight, scales, zeros.to(torch.uint8) if zeros is not None else None, w64
+
+
+def naive(x, w64, perm=None, smooth=None):
+    xs = x.double()
+    if perm is not None:
+        xs = xs[:, perm.long()]
+    if smooth is not None:
+        xs = xs * smooth.double()
+    return xs @ w64.t()
+
+
+CASES = [  # (bits, group_size, symmetric, fp8)
+    (4, 32, True, False), (4, 64, False, False), (4, 128, True, False), (4, -1, False, False),
+    (8, -1, True, False), (8, -1, False, False), (8, -1, True, True),
+]
+
+
+def check(fn, m, n, k, case, dtype, device="cpu", seed=0, extras=True):
+    bits, group_size, symmetric, fp8 = case
+    gen = torch.Generator().manual_seed(seed)
+    qweight, scales, zeros, w64 = make_weight(n, k, bits, group_size, symmetric, fp8, gen)
+    x = torch.randn(m, k, generator=gen)
+    perm = torch.randperm(k, generator=gen).to(torch.int32) if extras else None
+    smooth = torch.rand(k, generator=gen) + 0.5 if extras else None
+    expected = naive(x.to(dtype), w64, perm, smooth)
+    to = lambda t: t.to(device) if t is not None else None
+    out = fn(to(x.to(dtype)), to(qweight), to(scales.to(dtype)), to(zeros), bits, group_size,
+             to(perm), to(smooth))
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_rel_close(out.cpu(), expected, TOL[dtype], f"{fn.__name__} m={m} {case} {dtype}")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference(case, dtype):
+    check(qg.wint_linear_ref, 5, 24, 256, case, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("m", [1, 3, 17])  # GEMV, padded dot, more than one row block
+@pytest.mark.parametrize("dtype", INTERPRET_DTYPES)
+def test_fused_triton(case, m, dtype):
+    check(qg.wint_gemm_triton, m, 40, 256, case, dtype, seed=m, extras=case[1] != 64)
+
+
+CONFIGS = [qg.GemmConfig(1, 16, 64, split_k=2), qg.GemmConfig(16, 32, 32, split_k=3),
+           qg.GemmConfig(16, 16, 128)]
+
+
+@needs_triton
+@pytest.mark.parametrize("config", CONFIGS)  # split-K (atomic), tiles smaller/larger than a group
+def test_fused_triton_configs(config):
+    fn = lambda *a: qg.wint_gemm_triton(*a, config=config)
+    fn.__name__ = "wint_gemm_triton"
+    check(fn, 2 if config.block_m == 1 else 18, 33, 192, (4, 64, False, False), torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES)
+def test_dequant_triton(case):
+    bits, group_size, symmetric, fp8 = case
+    gen = torch.Generator().manual_seed(7)
+    qweight, scales, zeros, _ = make_weight(20, 128, bits, group_size, symmetric, fp8, gen)
+    perm = torch.randperm(128, generator=gen).to(torch.int32)
+    smooth = torch.rand(128, generator=gen) + 0.5
+    args = (qweight, scales, zeros, bits, group_size, torch.float16, perm, smooth)
+    torch.testing.assert_close(qg.wint_dequant_triton(*args), qg.wint_dequant_ref(*args),
+                               rtol=0, atol=0)
+
+
+def test_wrapper_on_cpu_is_reference():
+    gen = torch.Generator().manual_seed(3)
+    qweight, scales, zeros, _ = make_weight(16, 64, 4, 32, False, gen=gen)
+    x = torch.randn(2, 3, 64, generator=gen)
+    bias = torch.randn(16, generator=gen)
+    out = qg.wint_linear(x, qweight, scales, zeros, 4, 32, bias=bias)
+    ref = qg.wint_linear_ref(x.reshape(6, 64), qweight, scales, zeros, 4, 32, bias=bias)
+    torch.testing.assert_close(out, ref.reshape(2, 3, 16))
+
+
+@needs_triton
+@pytest.mark.parametrize("static", [False, True])
+def test_act_quant_triton_int8(static):
+    """INT8 codes and scales match exactly (both round half away from zero). FP8 is checked on
+    the GPU only: the interpreter's fp32 -> e4m3 cast is wrong at binade boundaries."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 300, generator=gen) * 3
+    x[2] = 0.0  # an all-zero row must still get a finite scale
+    smooth = torch.rand(300, generator=gen) + 0.5
+    scale = torch.tensor(0.05) if static else None
+    q, s = w8a8.quant_per_token_triton(x, "int8", smooth, scale)
+    q_ref, s_ref = w8a8.quant_per_token_ref(x, "int8", smooth, scale)
+    assert q.dtype == torch.int8 and s.shape == (7, 1)
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=0)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_act_quant_ref_bounds(kind):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=gen) * torch.logspace(-2, 2, 9)[:, None]
+    q, s = w8a8.quant_per_token_ref(x, kind)
+    deq = q.float() * s
+    assert q.float().abs().max() <= w8a8.QMAX[kind]
+    # per-token: each row's error scales with its own magnitude (int8: half a step; e4m3: 2^-4)
+    rel = (deq - x).abs().amax(1) / x.abs().amax(1)
+    assert (rel <= (0.5 / 127 if kind == "int8" else 2**-4) * 1.001).all(), rel
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 300])  # fused and dequantize + cuBLAS paths
+def test_gpu(case, m):
+    check(qg.wint_linear, m, 4096, 4096, case, torch.bfloat16, device="cuda", seed=m)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 33])
+def test_gpu_w8a8(kind, m):
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(512, 1024, generator=gen)
+    x = torch.randn(m, 1024, generator=gen).bfloat16()
+    smooth = torch.rand(1024, generator=gen) + 0.5
+    wq, ws = w8a8.quantize_weight(w, kind, "channel")
+    ref = w8a8.w8a8_linear_ref(x, wq, ws, kind, smooth)
+    out = w8a8.w8a8_linear(x.cuda(), wq.cuda(), ws.cuda(), kind, smooth.cuda())
+    assert_rel_close(out.cpu(), ref, 1e-2, f"w8a8 {kind} m={m}")
