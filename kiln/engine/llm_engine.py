@@ -126,10 +126,15 @@ class LLMEngine:
 
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         touched: dict[str, Request] = {}
+        block_size = self.kv_cache.block_size
         for item in out.scheduled:
             seq = item.seq
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.num_computed_tokens // block_size > before // block_size:
+                # a block just filled up: hash it for prefix reuse (token_ids copies the list,
+                # so skip the call on the steps that complete no block)
+                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             touched[item.request.request_id] = item.request
         for item, lps in result.prompt_logprobs:
             start = item.seq.num_computed_tokens - item.num_new_tokens

@@ -72,27 +72,41 @@ class CacheMachine(RuleBasedStateMachine):
         self.tokens[seq], self.computed[seq], self.group[seq] = list(prompt), num_cached, seq
 
     @precondition(lambda self: self.running())
-    @rule(data=st.data(), chunk=st.integers(1, 6), lookahead=st.integers(0, 3))
-    def step(self, data: st.DataObject, chunk: int, lookahead: int) -> None:
-        seq = data.draw(st.sampled_from(self.running()))
-        tokens, start = self.tokens[seq], self.computed[seq]
-        if start == len(tokens):  # decode: the token sampled last step needs its KV
-            tokens.append(data.draw(tokens_st))
-        end = min(start + chunk, len(tokens))
-        before = self.snapshot()
-        if not self.m.allocate_slots(seq, end + lookahead, start):
-            assert self.snapshot() == before, "failed allocate_slots changed state"
-            assert self.m.take_pending_copies() == []
-            return
-        reads = {dst: dict(self.gpu.get(src, {})) for src, dst in self.m.take_pending_copies()}
-        self.gpu.update(reads)
-        table = self.m.block_table(seq)
-        for pos in range(start, end):
-            block = table[pos // BS]
-            assert self.m.gpu_pool.ref_count(block) == 1, f"write into shared block {block}"
-            self.gpu.setdefault(block, {})[pos % BS] = kv_value(tokens, pos)
-        self.computed[seq] = end
-        self.m.cache_full_blocks(seq, tokens, end)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """One engine step: allocate for a few sequences (preempting some right after, as a
+        scheduler short of blocks does), run the copies, then write the scheduled tokens."""
+        batch = data.draw(st.lists(st.sampled_from(self.running()), min_size=1, max_size=3))
+        scheduled: dict[int, tuple[int, int]] = {}
+        for seq in dict.fromkeys(batch):
+            tokens, start = self.tokens[seq], self.computed[seq]
+            if start == len(tokens):  # decode: the token sampled last step needs its KV
+                tokens.append(data.draw(tokens_st))
+            end = min(start + data.draw(st.integers(1, 8)), len(tokens))
+            lookahead = data.draw(st.integers(0, 3))  # reserved slots left unwritten
+            before = self.snapshot()
+            if self.m.allocate_slots(seq, end + lookahead, start):
+                scheduled[seq] = (start, end)
+            else:
+                assert self.snapshot() == before, "failed allocate_slots changed state"
+            if scheduled and data.draw(st.integers(0, 3)) == 0:  # preempt 1 in 4
+                victim = data.draw(st.sampled_from(sorted(scheduled)))
+                del scheduled[victim]
+                self.forget(victim)
+        copies = self.m.take_pending_copies()
+        dsts = [dst for _, dst in copies]
+        assert len(set(dsts)) == len(dsts), f"one block is the dst of two copies: {copies}"
+        owned = {b for seq in scheduled for b in self.m.block_table(seq)}
+        assert set(dsts) <= owned, f"copy into a block no scheduled sequence owns: {copies}"
+        self.gpu.update({dst: dict(self.gpu.get(src, {})) for src, dst in copies})
+        for seq, (start, end) in scheduled.items():
+            table, tokens = self.m.block_table(seq), self.tokens[seq]
+            for pos in range(start, end):
+                block = table[pos // BS]
+                assert self.m.gpu_pool.ref_count(block) == 1, f"write into shared block {block}"
+                self.gpu.setdefault(block, {})[pos % BS] = kv_value(tokens, pos)
+            self.computed[seq] = end
+            self.m.cache_full_blocks(seq, tokens, end)
 
     @precondition(lambda self: self.running())
     @rule(data=st.data())
@@ -107,7 +121,9 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.forget(data.draw(st.sampled_from(sorted(self.tokens))))
+
+    def forget(self, seq: int) -> None:
         self.m.free(seq)
         for d in (self.tokens, self.computed, self.group):
             del d[seq]

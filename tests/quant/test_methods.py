@@ -60,29 +60,39 @@ def test_weight_only_linear(bits, group_size, symmetric, bias):
     assert rel < (0.15 if bits == 4 else 0.01), rel
 
 
-def test_weight_only_with_perm_and_smooth():
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_weight_only_with_perm_or_smooth(method):
     """GPTQ act-order (perm) and AWQ (smooth) tensors flow through the Linear unchanged."""
     layer, x = make_linear(24, 128, False, seed=3)
     gen = torch.Generator().manual_seed(4)
     perm = torch.randperm(128, generator=gen).to(torch.int32)
     smooth = torch.rand(128, generator=gen) + 0.5
-    q = rtn_quantize(layer.weight.detach()[:, perm.long()] / smooth, 4, 32, False)
-    q.perm, q.smooth = perm, smooth
-    holder = torch.nn.Sequential(layer)
-    install_methods(holder, QuantConfig(method="gptq", group_size=32, symmetric=False,
-                                        act_order=True))
-    layer.method.cfg = QuantConfig(method="awq", group_size=32, symmetric=False)  # smooth too
-    spec = layer.method.tensor_spec(layer)
-    spec_keys = set(spec)
-    assert {"qweight", "scales", "zeros", "smooth"} <= spec_keys
-    layer.method.cfg = QuantConfig(method="gptq", group_size=32, symmetric=False,
-                                   act_order=True)
-    with pytest.raises(ValueError, match="unexpected \\['smooth'\\]"):
-        layer.method.set_weight(layer, q)
-    q.smooth = None
+    w = layer.weight.detach()
+    if method == "gptq":
+        q = rtn_quantize(w[:, perm.long()], 4, 32, False)
+        q.perm = perm
+        cfg = QuantConfig(method="gptq", group_size=32, symmetric=False, act_order=True)
+    else:
+        q = rtn_quantize(w / smooth, 4, 32, False)
+        q.smooth = smooth
+        cfg = QuantConfig(method="awq", group_size=32, symmetric=False)
+    install_methods(torch.nn.Sequential(layer), cfg)
     layer.method.set_weight(layer, q)
     expected = x.double() @ codes_to_weight(q).t()
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+    dense_out = x @ w.t()
+    assert ((layer(x) - dense_out).norm() / dense_out.norm()) < 0.15
+
+
+def test_tensors_must_match_the_config():
+    layer, _ = make_linear(24, 128, False, seed=3)
+    install_methods(torch.nn.Sequential(layer), QuantConfig(method="rtn", group_size=32))
+    q = rtn_quantize(layer.weight.detach(), 4, 32, False)  # zeros: asymmetric, config is not
+    with pytest.raises(ValueError, match="unexpected \\['zeros'\\]"):
+        layer.method.set_weight(layer, q)
+    q = rtn_quantize(layer.weight.detach(), 4, 64, True)
+    with pytest.raises(ValueError, match="scales: got \\(24, 2\\)"):
+        layer.method.set_weight(layer, q)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
