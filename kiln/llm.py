@@ -49,7 +49,7 @@ class LLM:
         try:
             for prompt, p in zip(items, params, strict=True):
                 request_ids.append(str(next(self._ids)))
-                self.engine.add_request(request_ids[-1], prompt, p)
+                self.engine.add_request(request_ids[-1], prompt, p, stream=False)
         except (ValueError, TypeError):
             for rid in request_ids:  # all or nothing: a bad prompt queues none of them
                 self.engine.abort_request(rid)

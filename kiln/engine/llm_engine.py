@@ -74,8 +74,11 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: PromptLike, params: SamplingParams,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue a request; bad input raises ValueError and changes nothing."""
+                    arrival_time: float | None = None, stream: bool = True) -> Request:
+        """Validate and queue a request; bad input raises ValueError and changes nothing.
+
+        ``stream=False`` returns the request from ``step()`` only once it has finished.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -87,7 +90,7 @@ class LLMEngine:
                              f"{self.config.scheduler.max_num_seqs}")
         request = Request(request_id, parsed.token_ids, params, self.loaded.eos_token_ids,
                           self.max_model_len, self.tokenizer, self.loaded.device,
-                          prompt=parsed.text, arrival_time=arrival_time)
+                          prompt=parsed.text, arrival_time=arrival_time, stream=stream)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -125,7 +128,6 @@ class LLMEngine:
         return outputs
 
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        touched: dict[str, Request] = {}
         block_size = self.kv_cache.block_size
         for item in out.scheduled:
             seq = item.seq
@@ -135,7 +137,6 @@ class LLMEngine:
                 # a block just filled up: hash it for prefix reuse (token_ids copies the list,
                 # so skip the call on the steps that complete no block)
                 self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            touched[item.request.request_id] = item.request
         for item, lps in result.prompt_logprobs:
             start = item.seq.num_computed_tokens - item.num_new_tokens
             ids = item.request.prompt_token_ids[start:start + lps.token_logprobs.shape[0] + 1]
@@ -144,21 +145,29 @@ class LLMEngine:
         apply_sampler_output(result.seqs, result.token_ids, result.logprobs)
         self.stats.generation_tokens += len(result.seqs)
         now = time.monotonic()
-        for request in touched.values():
-            if not request.forked and request.seqs[0].output_token_ids:
+        sampled = {r.request_id: r for r in result.requests}  # in order, each once
+        outputs = []
+        for request in sampled.values():
+            if not request.forked:
                 self._fork(request)
-            if any(s.output_token_ids for s in request.seqs):
-                metrics = request.metrics
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = now
-                    self.stats.prompt_tokens += len(request.prompt_token_ids)
-                metrics.token_times.append(now)
-            for seq in request.seqs:
-                if seq.finished:
-                    self.kv.free(seq.seq_id)
-            if request.finished:
-                self._finish(request, now)
-        return [r.output() for r in touched.values()]
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                self.stats.prompt_tokens += len(request.prompt_token_ids)
+            metrics.token_times.append(now)
+        for seq in result.seqs:
+            if seq.finished:
+                self.kv.free(seq.seq_id)
+        finished = [r for r in sampled.values() if r.finished]
+        for request in finished:
+            self._finish(request, now)
+        if finished:
+            done = {id(r) for r in finished}
+            self.scheduler.running = [r for r in self.scheduler.running if id(r) not in done]
+        for request in sampled.values():
+            if request.stream or request.finished:
+                outputs.append(request.output())
+        return outputs
 
     def _fork(self, request: Request) -> None:
         parent = request.seqs[0]
@@ -170,8 +179,6 @@ class LLMEngine:
     def _finish(self, request: Request, now: float) -> None:
         request.status = RequestStatus.FINISHED
         request.metrics.finished_time = now
-        if request in self.scheduler.running:
-            self.scheduler.running.remove(request)
         self.requests.pop(request.request_id, None)
         for seq in request.seqs:
             self.stats.finished_by_reason[seq.finish_reason] += 1

@@ -16,6 +16,7 @@ import torch
 from kiln.cache.kv_cache import KVCache
 from kiln.cache.kv_cache_manager import KVCacheManager
 from kiln.engine.cuda_graphs import DecodeGraphs
+from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kiln.engine.sequence import Sequence
 from kiln.layers.attention import AttentionMetadata
@@ -31,6 +32,7 @@ from kiln.sampling.sampler import (
 @dataclass
 class StepResult:
     seqs: list[Sequence]  # one per sampled row (a request's fork step contributes n rows)
+    requests: list[Request]  # the request of each row
     token_ids: torch.Tensor  # [num_rows]
     logprobs: LogprobsTensors | None
     prompt_logprobs: list[tuple[ScheduledSeq, LogprobsTensors]]
@@ -116,7 +118,7 @@ class ModelRunner:
                     if item.samples]
         if not sampling:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return StepResult([], empty, None, prompt_lps)
+            return StepResult([], [], empty, None, prompt_lps)
         rows = torch.tensor([row for _, row in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         return self._sample(logits, [(item, i) for i, (item, _) in enumerate(sampling)],
@@ -130,11 +132,12 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledSeq, int]],
                 prompt_lps: list[tuple[ScheduledSeq, LogprobsTensors]]) -> StepResult:
         """Sample each (item, logits row); a request's first sample forks into n sequences."""
-        index, seqs = [], []
+        index, seqs, requests = [], [], []
         for item, row in rows:
             group = item.request.seqs if not item.request.forked else [item.seq]
             index += [row] * len(group)
             seqs += group
+            requests += [item.request] * len(group)
         if index != list(range(logits.shape[0])):
             logits = logits[torch.tensor(index, device=self.device)]
         meta = SamplingMetadata.build(
@@ -142,7 +145,7 @@ class ModelRunner:
             [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
             self.device, self.loaded.eos_token_ids)
         sampled = self.sampler.sample(logits, meta)
-        return StepResult(seqs, sampled.token_ids, sampled.logprobs, prompt_lps)
+        return StepResult(seqs, requests, sampled.token_ids, sampled.logprobs, prompt_lps)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor,
                          ends: np.ndarray) -> list[tuple[ScheduledSeq, LogprobsTensors]]:

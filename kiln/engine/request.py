@@ -29,11 +29,13 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_model_len: int, tokenizer: Any,
-                 device: Any, prompt: str | None = None, arrival_time: float | None = None) -> None:
+                 device: Any, prompt: str | None = None, arrival_time: float | None = None,
+                 stream: bool = True) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.stream = stream  # emit an output every step, or only the final one
         self.status = RequestStatus.WAITING
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.seqs = [
