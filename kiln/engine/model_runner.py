@@ -96,12 +96,13 @@ class ModelRunner:
         return BatchInputs(to(np.array(tokens), torch.int64), to(positions, torch.int64), meta)
 
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
+        """In the order the cache manager requires: swap out, copy-on-write, swap in."""
         if out.swap_out:
             self.kv_cache.swap_out(out.swap_out)
-        if out.swap_in:
-            self.kv_cache.swap_in(out.swap_in)
         if out.copies:
             self.kv_cache.copy_blocks(out.copies)
+        if out.swap_in:
+            self.kv_cache.swap_in(out.swap_in)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
