@@ -21,7 +21,7 @@ from kiln.kernels._triton import next_power_of_2, num_sms, tl, triton
 from kiln.kernels.attention_prefill import LOG2E, _attn_tile, check_attention_args
 
 # (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py)
-DECODE_CONFIG = (64, 4, 3)
+DECODE_CONFIG = (128, 4, 2)
 MIN_PARTITION_LEN = 256  # shorter partitions cost more in the reduction than they win in overlap
 
 
@@ -113,9 +113,9 @@ def _decode_reduce_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sms: int) -> int:
-    """Enough partitions for ~4 programs per SM, none shorter than MIN_PARTITION_LEN keys."""
+    """Enough partitions for ~2 programs per SM, none shorter than MIN_PARTITION_LEN keys."""
     programs = num_seqs * num_kv_heads
-    wanted = triton.cdiv(4 * sms, max(programs, 1))
+    wanted = triton.cdiv(2 * sms, max(programs, 1))
     return max(1, min(wanted, triton.cdiv(max_seqlen_k, MIN_PARTITION_LEN)))
 
 

@@ -24,7 +24,7 @@ LOG2E = math.log2(math.e)  # exp(x) == exp2(x * LOG2E)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, tuned on an H100 by
 # benchmarks/gpu_kernels.py
-PREFILL_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
+PREFILL_CONFIGS = {64: (128, 64, 8, 3), 128: (128, 32, 4, 3)}
 
 
 @triton.jit
@@ -37,24 +37,31 @@ def _attn_tile(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     n_valid = offs_n < kv_end
-    if MASKED:
-        page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=n_valid, other=0)
-    else:
-        page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE)
-    page = page.to(tl.int64)
-    in_page = offs_n % PAGE_SIZE
-    k_ptrs = k_head_ptr + page[None, :] * stride_kb + in_page[None, :] * stride_ks + offs_d[:, None]
-    v_ptrs = v_head_ptr + page[:, None] * stride_vb + in_page[:, None] * stride_vs + offs_d[None, :]
+    if PAGE_SIZE % BLOCK_N == 0:  # tiles start on multiples of BLOCK_N: one page per tile
+        page = tl.load(bt_row_ptr + start_n // PAGE_SIZE).to(tl.int64)
+        in_page = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
+    else:  # a page id per key row
+        if MASKED:  # noqa: SIM108
+            page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=n_valid, other=0)
+        else:
+            page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE)
+        page = page.to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+    k_rows = page * stride_kb + in_page * stride_ks  # [BLOCK_N] (or a scalar page plus rows)
+    v_rows = page * stride_vb + in_page * stride_vs
+    k_ptrs = k_head_ptr + k_rows[None, :] + offs_d[:, None]
+    v_ptrs = v_head_ptr + v_rows[:, None] + offs_d[None, :]
     if MASKED:  # noqa: SIM108 (a constexpr branch; keep the unmasked load mask-free)
         k_t = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
     else:
         k_t = tl.load(k_ptrs)
-    qk = tl.dot(q, k_t) * qk_scale
+    qk = tl.dot(q, k_t)
     if MASKED:
         keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
+    # the scale is applied inside the exponent: one fused multiply-add per logit
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:  # noqa: SIM108

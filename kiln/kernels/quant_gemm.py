@@ -58,16 +58,20 @@ def _wint_gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         src_k = tl.load(perm_ptr + offs_k, mask=k_mask, other=0) if HAS_PERM else offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + src_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + src_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
         if HAS_SMOOTH:
             sm = tl.load(smooth_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * sm[None, :]).to(x_ptr.dtype.element_ty)
         wk_mask = n_mask[:, None] & k_mask[None, :]
         if BITS == 4:
             offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            packed = tl.load(w_rows + offs_w[None, :], mask=n_mask[:, None] & (offs_w < K // 8),
-                             other=0)
+            packed = tl.load(
+                w_rows + offs_w[None, :], mask=n_mask[:, None] & (offs_w < K // 8), other=0
+            )
             shifts = tl.arange(0, 8) * 4
             u = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K])
         elif W_FP8:  # no `other`: fp8 has no integer zero; masked lanes are zeroed below
@@ -77,18 +81,21 @@ def _wint_gemm_kernel(
         # per-(row, group) scales of this tile: [BLOCK_N, GROUPS_PER_TILE]
         groups = k0 // group_size + offs_g
         sg_mask = n_mask[:, None] & (groups[None, :] * group_size < K)
-        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :], mask=sg_mask,
-                    other=0.0).to(tl.float32)
+        s = tl.load(
+            s_ptr + offs_n[:, None] * stride_sn + groups[None, :], mask=sg_mask, other=0.0
+        ).to(tl.float32)
         w = tl.reshape(u.to(tl.float32), [BLOCK_N, GROUPS_PER_TILE, BLOCK_K // GROUPS_PER_TILE])
         if not W_FP8:
             if HAS_ZEROS:
-                z = tl.load(z_ptr + offs_n[:, None] * stride_zn + groups[None, :], mask=sg_mask,
-                            other=0).to(tl.float32)
+                z = tl.load(
+                    z_ptr + offs_n[:, None] * stride_zn + groups[None, :], mask=sg_mask, other=0
+                ).to(tl.float32)
                 w = w - z[:, :, None]
             else:
                 w = w - (1 << (BITS - 1))
         w = tl.reshape(w * s[:, :, None], [BLOCK_N, BLOCK_K])
-        w = tl.where(wk_mask, w, 0.0)
+        if W_FP8:  # masked fp8 lanes are undefined (maybe NaN); masked codes loaded as 0 are finite
+            w = tl.where(wk_mask, w, 0.0)
         if BLOCK_M == 1:  # GEMV: a dot would pad M to 16 and shuffle registers for nothing
             acc += tl.sum(w[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         else:
@@ -136,10 +143,18 @@ def _wint_dequant_kernel(
     tl.store(out_ptr + rows * stride_on + dst_k[None, :], w, mask=mask)
 
 
-def _flags(qweight: torch.Tensor, zeros: torch.Tensor | None, perm: torch.Tensor | None,
-           smooth: torch.Tensor | None) -> dict:
-    return dict(W_FP8=qweight.dtype == FP8_DTYPE, HAS_ZEROS=zeros is not None,
-                HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None)
+def _flags(
+    qweight: torch.Tensor,
+    zeros: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    smooth: torch.Tensor | None,
+) -> dict:
+    return dict(
+        W_FP8=qweight.dtype == FP8_DTYPE,
+        HAS_ZEROS=zeros is not None,
+        HAS_PERM=perm is not None,
+        HAS_SMOOTH=smooth is not None,
+    )
 
 
 def _default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> GemmConfig:
@@ -162,10 +177,17 @@ def _default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> 
     return GemmConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps, cfg.num_stages)
 
 
-def wint_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                     zeros: torch.Tensor | None, bits: int, group_size: int,
-                     perm: torch.Tensor | None = None, smooth: torch.Tensor | None = None,
-                     config: GemmConfig | None = None) -> torch.Tensor:
+def wint_gemm_triton(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    smooth: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
     """Fused path: x [M, K] (contiguous rows) -> [M, N] in x.dtype."""
     m, k = x.shape
     n = scales.shape[0]
@@ -183,8 +205,9 @@ def wint_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     assert block_k >= 8 and block_k % 8 == 0
     k_per_split = -(-k // (cfg.split_k * block_k)) * block_k
     atomic = cfg.split_k > 1
-    out = (torch.zeros if atomic else torch.empty)(m, n, device=x.device,
-                                                   dtype=torch.float32 if atomic else x.dtype)
+    out = (torch.zeros if atomic else torch.empty)(
+        m, n, device=x.device, dtype=torch.float32 if atomic else x.dtype
+    )
     if m == 0:
         return out.to(x.dtype)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
@@ -201,10 +224,16 @@ def wint_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return out.to(x.dtype) if atomic else out
 
 
-def wint_dequant_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                        bits: int, group_size: int, dtype: torch.dtype,
-                        perm: torch.Tensor | None = None,
-                        smooth: torch.Tensor | None = None) -> torch.Tensor:
+def wint_dequant_triton(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+    perm: torch.Tensor | None = None,
+    smooth: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Dense W_eff [N, K] in ``dtype`` with smooth folded in and columns back in input order."""
     n = scales.shape[0]
     k = qweight.shape[1] * (8 if bits == 4 else 1)
@@ -229,18 +258,27 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return codes.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
-def wint_dequant_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                     bits: int, group_size: int, dtype: torch.dtype,
-                     perm: torch.Tensor | None = None,
-                     smooth: torch.Tensor | None = None) -> torch.Tensor:
+def wint_dequant_ref(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+    perm: torch.Tensor | None = None,
+    smooth: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Plain PyTorch dequantization with the kernel's rounding (the CPU path and the oracle)."""
     u = unpack_int4(qweight) if bits == 4 else qweight
     k = u.shape[1]
     group = k if group_size <= 0 else group_size
     w = u.float()
     if qweight.dtype != FP8_DTYPE:
-        z = zeros.float().repeat_interleave(group, 1)[:, :k] if zeros is not None \
+        z = (
+            zeros.float().repeat_interleave(group, 1)[:, :k]
+            if zeros is not None
             else 2.0 ** (bits - 1)
+        )
         w = w - z
     w = (w * scales.float().repeat_interleave(group, 1)[:, :k]).to(dtype)
     if smooth is not None:
@@ -250,18 +288,32 @@ def wint_dequant_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return w
 
 
-def wint_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    zeros: torch.Tensor | None, bits: int, group_size: int,
-                    perm: torch.Tensor | None = None, smooth: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+def wint_linear_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    smooth: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     w = wint_dequant_ref(qweight, scales, zeros, bits, group_size, x.dtype, perm, smooth)
     return F.linear(x, w, bias)
 
 
-def wint_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                zeros: torch.Tensor | None, bits: int, group_size: int,
-                perm: torch.Tensor | None = None, smooth: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def wint_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    smooth: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """y = x W^T + b for a weight-only quantized W; x [..., K] -> [..., N] in x.dtype."""
     if not use_triton(x, qweight, scales):
         return wint_linear_ref(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias)

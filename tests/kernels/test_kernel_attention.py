@@ -61,12 +61,13 @@ def test_reference(lens, heads, dtype):
 @needs_triton
 @pytest.mark.parametrize("heads", GQA, ids=lambda h: f"H{h[0]}-{h[1]}")
 @pytest.mark.parametrize("dtype", INTERPRET_DTYPES)
-def test_prefill_triton(heads, dtype):
+@pytest.mark.parametrize("block_size", [16, 32])  # one page per key tile, or two tiles per page
+def test_prefill_triton(heads, dtype, block_size):
     # 16 x 16 tiles: several query blocks and key tiles per sequence, on and off the diagonal
     def fn(*args):
         return paged_attention_prefill_triton(*args, config=(16, 16, 4, 1))
 
-    run_case(fn, *MIXED, *heads, head_dim=64, block_size=16, dtype=dtype, seed=1)
+    run_case(fn, *MIXED, *heads, head_dim=64, block_size=block_size, dtype=dtype, seed=1)
 
 
 @needs_triton

@@ -56,8 +56,13 @@ def naive(x, w64, perm=None, smooth=None):
 
 
 CASES = [  # (bits, group_size, symmetric, fp8)
-    (4, 32, True, False), (4, 64, False, False), (4, 128, True, False), (4, -1, False, False),
-    (8, -1, True, False), (8, -1, False, False), (8, -1, True, True),
+    (4, 32, True, False),
+    (4, 64, False, False),
+    (4, 128, True, False),
+    (4, -1, False, False),
+    (8, -1, True, False),
+    (8, -1, False, False),
+    (8, -1, True, True),
 ]
 
 
@@ -70,8 +75,16 @@ def check(fn, m, n, k, case, dtype, device="cpu", seed=0, extras=True):
     smooth = torch.rand(k, generator=gen) + 0.5 if extras else None
     expected = naive(x.to(dtype), w64, perm, smooth)
     to = lambda t: t.to(device) if t is not None else None
-    out = fn(to(x.to(dtype)), to(qweight), to(scales.to(dtype)), to(zeros), bits, group_size,
-             to(perm), to(smooth))
+    out = fn(
+        to(x.to(dtype)),
+        to(qweight),
+        to(scales.to(dtype)),
+        to(zeros),
+        bits,
+        group_size,
+        to(perm),
+        to(smooth),
+    )
     assert out.dtype == dtype and out.shape == (m, n)
     assert_rel_close(out.cpu(), expected, TOL[dtype], f"{fn.__name__} m={m} {case} {dtype}")
 
@@ -90,8 +103,11 @@ def test_fused_triton(case, m, dtype):
     check(qg.wint_gemm_triton, m, 40, 256, case, dtype, seed=m, extras=case[1] != 64)
 
 
-CONFIGS = [qg.GemmConfig(1, 16, 64, split_k=2), qg.GemmConfig(16, 32, 32, split_k=3),
-           qg.GemmConfig(16, 16, 128)]
+CONFIGS = [
+    qg.GemmConfig(1, 16, 64, split_k=2),
+    qg.GemmConfig(16, 32, 32, split_k=3),
+    qg.GemmConfig(16, 16, 128),
+]
 
 
 @needs_triton
@@ -111,8 +127,9 @@ def test_dequant_triton(case):
     perm = torch.randperm(128, generator=gen).to(torch.int32)
     smooth = torch.rand(128, generator=gen) + 0.5
     args = (qweight, scales, zeros, bits, group_size, torch.float16, perm, smooth)
-    torch.testing.assert_close(qg.wint_dequant_triton(*args), qg.wint_dequant_ref(*args),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        qg.wint_dequant_triton(*args), qg.wint_dequant_ref(*args), rtol=0, atol=0
+    )
 
 
 def test_wrapper_on_cpu_is_reference():
