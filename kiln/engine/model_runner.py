@@ -88,11 +88,17 @@ class ModelRunner:
         seq_lens = starts_np + lens_np
         to = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
             self.device, dtype=dtype, non_blocking=True)
+        # callers order single-token sequences first (see execute)
+        num_decode = int(np.argmax(lens_np != 1)) if (lens_np != 1).any() else len(lens_np)
+        split = self.backend == "triton" and 0 < num_decode < len(lens_np)
         meta = AttentionMetadata(
             slot_mapping=to(slots, torch.int64), cu_seqlens_q=to(cu, torch.int32),
             seq_lens=to(seq_lens, torch.int32), block_tables=to(table_np, torch.int32),
             max_seqlen_q=int(lens_np.max()), max_seqlen_k=int(seq_lens.max()),
-            kv_caches=self.kv_caches, backend=self.backend)
+            kv_caches=self.kv_caches, backend=self.backend,
+            num_decode_seqs=num_decode if split else 0,
+            prefill_cu_seqlens_q=to(cu[num_decode:] - cu[num_decode], torch.int32)
+            if split else None)
         return BatchInputs(to(np.array(tokens), torch.int64), to(positions, torch.int64), meta)
 
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
@@ -107,7 +113,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.apply_cache_ops(out)
-        scheduled = out.scheduled
+        # single-token rows first, so attention can send them to the decode kernel
+        scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
         batch = self.prepare(scheduled)
         if self._graph_step(scheduled):
             logits = self.graphs.run(batch.meta, batch.input_ids, batch.positions)

@@ -27,6 +27,11 @@ class AttentionMetadata:
     max_seqlen_k: int
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer; [num_blocks, block_size, Hkv, D]
     backend: str = "torch"  # "torch" (reference, any device) or "triton" (CUDA kernels)
+    # Mixed batches put their single-token sequences first: rows [0, num_decode_seqs) go to the
+    # split-KV decode kernel, the rest (cu_seqlens_q rebased to 0) to the prefill kernel, which
+    # would otherwise spend a whole query tile on each one-token row.
+    num_decode_seqs: int = 0
+    prefill_cu_seqlens_q: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -43,9 +48,23 @@ class Attention(nn.Module):
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
         k_cache, v_cache = meta.kv_caches[self.layer_idx]
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        attend = paged_attention if meta.backend == "triton" else paged_attention_ref
-        out = attend(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                     meta.max_seqlen_q, meta.max_seqlen_k, self.scale)
+        if meta.backend != "triton":
+            out = paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                      meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k,
+                                      self.scale)
+        elif meta.prefill_cu_seqlens_q is None:
+            out = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                  meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k,
+                                  self.scale)
+        else:
+            nd = meta.num_decode_seqs
+            out = torch.empty_like(q)
+            out[:nd] = paged_attention(q[:nd], k_cache, v_cache, meta.cu_seqlens_q[: nd + 1],
+                                       meta.seq_lens[:nd], meta.block_tables[:nd], 1,
+                                       meta.max_seqlen_k, self.scale)
+            out[nd:] = paged_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q,
+                                       meta.seq_lens[nd:], meta.block_tables[nd:],
+                                       meta.max_seqlen_q, meta.max_seqlen_k, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
