@@ -65,7 +65,8 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
 # (module, attribute, command name): click commands/groups or typer apps defined by each package
 SUBCOMMANDS = (
     ("kiln.zoo.cli", "zoo_app", "zoo"),
-    ("kiln.bench.cli", "bench_group", "bench"),
+    ("kiln.serve.cli", "serve_command", "serve"),
+    ("kiln.bench.cli", "bench_group", "bench"), ("kiln.profile.cli", "profile_command", "profile"),
 )
 
 

@@ -51,9 +51,10 @@ def workload_options(command: Any) -> Any:
         click.option("--dataset-path", type=click.Path(dir_okay=False),
                      help="JSONL of prompts for --dataset-name jsonl"),
         click.option("--num-prompts", type=click.IntRange(min=1), default=16, show_default=True),
-        click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True,
-                     help="prompt tokens (fixed / random)"),
-        click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True),
+        click.option("--input-len", "--random-input-len", "input_len", type=click.IntRange(min=1),
+                     default=128, show_default=True, help="prompt tokens (fixed / random)"),
+        click.option("--output-len", "--random-output-len", "output_len",
+                     type=click.IntRange(min=1), default=64, show_default=True),
         click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True),
                      default=0.0, show_default=True,
                      help="random: lengths uniform in [len*(1-r), len*(1+r)]"),
@@ -97,7 +98,8 @@ def _output_dir(kind: str, output_dir: str | None) -> Path:
     return Path(output_dir) if output_dir else default_output_dir(kind)
 
 
-output_dir_option = click.option("--output-dir", type=click.Path(file_okay=False),
+output_dir_option = click.option("--output-dir", "--result-dir", "output_dir",
+                                 type=click.Path(file_okay=False),
                                  help="where result.json, summary.md and plots go "
                                       "[default: out/bench/<kind>-<time>]")
 peer_option = click.option("--peer", type=click.Choice(["none", "hf"]), default="none",
@@ -179,7 +181,7 @@ def throughput_command(model: str, num_warmups: int, peer: str,
               help="cap on requests in flight (with --request-rate inf: a fixed concurrency)")
 @click.option("--num-warmups", default=1, show_default=True, type=click.IntRange(min=0))
 @click.option("--goodput", "slos", multiple=True,
-              help="an SLO such as ttft:500, tpot:50, e2el:5000 (ms); repeat for several")
+              help="SLOs in ms, e.g. ttft:500,tpot:50 (also e2el, itl); repeatable")
 @click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
               help="send vLLM's ignore_eos so every request runs to --output-len")
 @click.option("--seed", default=0, show_default=True, type=int)
@@ -198,7 +200,7 @@ def serve_command(base_url: str, endpoint: str, model: str | None,
 
     spec = make_spec(_given_seed(seed), **workload)
     try:
-        slo_ms = parse_slos(slos)
+        slo_ms = parse_slos(item for value in slos for item in value.split(",") if item)
         cfg = ServeConfig(base_url, spec, request_rates, arrival, max_concurrency, num_warmups,
                           served_model_name, endpoint, ignore_eos, slo_ms,
                           ready_check_timeout_sec, request_timeout_sec, _vocab_size(model))

@@ -51,6 +51,10 @@ class HFPeer:
             # built on the device directly: initializing 8B parameters on the CPU takes minutes
             with torch.device(device):
                 self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            if next(self.model.parameters()).device != device:  # a version ignoring the context
+                self.model.to(device)
+            if next(self.model.parameters()).dtype != dtype:  # or the dtype argument
+                self.model.to(dtype)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(
                 device)

@@ -60,8 +60,8 @@ def case_requests(cfg: LatencyConfig, case: int, batch_size: int, input_len: int
 def _case_metrics(records: list[dict], batch_seconds: list[float], batch_size: int,
                   output_len: int) -> dict[str, Any]:
     m: dict[str, Any] = {"latency_s": summarize(batch_seconds), **latency_metrics(records)}
-    tpot_s = (m["tpot_ms"]["mean"] or float("nan")) / 1e3
-    m["decode_tokens_per_s"] = batch_size / tpot_s
+    tpot_ms = m["tpot_ms"]["mean"]  # None when every output is one token long
+    m["decode_tokens_per_s"] = None if tpot_ms is None else batch_size / (tpot_ms / 1e3)
     m["output_tokens_per_s"] = batch_size * output_len / m["latency_s"]["mean"]
     return m
 
@@ -71,11 +71,14 @@ def _bandwidth(m: dict[str, Any], batch_size: int, input_len: int, output_len: i
     # a decode step reads every weight once and the KV of each sequence at its mean context
     kv_read = batch_size * (input_len + output_len / 2) * kv_bytes_per_token
     step_bytes = weight_bytes + kv_read
-    tpot_s = m["tpot_ms"]["mean"] / 1e3
     m["bytes_per_decode_step"] = step_bytes
+    m["roofline_decode_tokens_per_s"] = batch_size * ceiling_gbps * 1e9 / step_bytes
+    if m["tpot_ms"]["mean"] is None:  # one-token outputs: no decode step to measure
+        m["achieved_gbps"] = m["bandwidth_utilization"] = None
+        return
+    tpot_s = m["tpot_ms"]["mean"] / 1e3
     m["achieved_gbps"] = step_bytes / tpot_s / 1e9
     m["bandwidth_utilization"] = m["achieved_gbps"] / ceiling_gbps
-    m["roofline_decode_tokens_per_s"] = batch_size * ceiling_gbps * 1e9 / step_bytes
 
 
 def _run_kiln(cfg: LatencyConfig, progress: Any) -> tuple[list[dict], list[dict], dict]:
@@ -105,8 +108,13 @@ def _run_kiln(cfg: LatencyConfig, progress: Any) -> tuple[list[dict], list[dict]
         metrics.append(m)
         records += case_records
     info["model_path"] = loaded.path
-    offline.free_llm(llm)
+    del loaded
+    offline.free_llm(llm)  # before the peer loads into the same device memory
     return metrics, records, info
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
 
 
 def _run_peer(cfg: LatencyConfig, info: dict, metrics: list[dict], progress: Any) -> str:
@@ -129,10 +137,10 @@ def _run_peer(cfg: LatencyConfig, info: dict, metrics: list[dict], progress: Any
         pm = {"num_iters": cfg.peer_num_iters, **_case_metrics(recs, seconds, b, o)}
         m["peer"] = pm
         m["peer_speedup"] = {  # > 1: Kiln is faster
-            "decode_tokens_per_s": m["decode_tokens_per_s"] / pm["decode_tokens_per_s"],
-            "output_tokens_per_s": m["output_tokens_per_s"] / pm["output_tokens_per_s"],
-            "ttft_ms": pm["ttft_ms"]["mean"] / m["ttft_ms"]["mean"],
-            "latency_s": pm["latency_s"]["mean"] / m["latency_s"]["mean"]}
+            "decode_tokens_per_s": _ratio(m["decode_tokens_per_s"], pm["decode_tokens_per_s"]),
+            "output_tokens_per_s": _ratio(m["output_tokens_per_s"], pm["output_tokens_per_s"]),
+            "ttft_ms": _ratio(pm["ttft_ms"]["mean"], m["ttft_ms"]["mean"]),
+            "latency_s": _ratio(pm["latency_s"]["mean"], m["latency_s"]["mean"])}
         progress.advance(task)
     progress.remove_task(task)
     name = peer.name

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -121,9 +119,3 @@ def kv_bytes_per_token(llm: LLM) -> int:
     k = engine.kv_cache.k_caches[0]
     per_layer = k[0, 0].numel() * k.element_size()  # [num_kv_heads, head_dim]
     return 2 * per_layer * len(engine.kv_cache.k_caches)
-
-
-@contextmanager
-def no_grad() -> Iterator[None]:
-    with torch.inference_mode():
-        yield

@@ -16,6 +16,11 @@ import numpy as np  # noqa: E402
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 
 
+def _num(value: float | None) -> float:
+    """Matplotlib wants numbers: an undefined metric (one-token outputs) is drawn as nothing."""
+    return math.nan if value is None else float(value)
+
+
 def case_label(case: dict[str, Any]) -> str:
     if "request_rate" in case:
         rate = case["request_rate"]
@@ -63,10 +68,11 @@ def plot_rate_sweep(result: dict[str, Any], path: Path) -> Path:
     twin.plot(x, [m["requests_per_s"] for m in metrics], "s--", color="C1", label="requests/s")
     left.set_ylabel("output tokens/s")
     twin.set_ylabel("requests/s")
+    lines = left.get_lines() + twin.get_lines()
+    left.legend(lines, [line.get_label() for line in lines], fontsize=8)
     left.set_title("throughput vs request rate")
     for key, title in LATENCIES:
-        p99 = [m[key]["p99"] if m[key]["p99"] is not None else math.nan for m in metrics]
-        right.plot(x, p99, "o-", label=f"P99 {title}")
+        right.plot(x, [_num(m[key]["p99"]) for m in metrics], "o-", label=f"P99 {title}")
     right.set_yscale("log")
     right.set_ylabel("ms")
     right.set_title("P99 latency vs request rate")
@@ -88,13 +94,13 @@ def plot_decode(result: dict[str, Any], path: Path) -> Path:
     x = np.arange(len(metrics))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.4 if any("peer" in m for m in metrics) else 0.8
-    left.bar(x, [m["decode_tokens_per_s"] for m in metrics], width, label="kiln")
+    left.bar(x, [_num(m["decode_tokens_per_s"]) for m in metrics], width, label="kiln")
     if width < 0.8:
-        left.bar(x + width, [m.get("peer", {}).get("decode_tokens_per_s", 0) for m in metrics],
+        left.bar(x + width, [_num(m.get("peer", {}).get("decode_tokens_per_s")) for m in metrics],
                  width, label="HF transformers")
     left.set_ylabel("decode tokens/s")
     left.legend()
-    right.bar(x, [m["achieved_gbps"] for m in metrics], 0.6)
+    right.bar(x, [_num(m["achieved_gbps"]) for m in metrics], 0.6)
     ceiling = result["ceilings"]["bandwidth_gbps"]
     right.axhline(ceiling, color="red", linestyle="--", label=f"ceiling {ceiling:,.0f} GB/s")
     right.set_ylabel("achieved GB/s (weights + KV per decode step)")

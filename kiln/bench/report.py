@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markdown import Markdown
 
 from kiln.bench.plots import case_label, write_plots
-from kiln.bench.result import header_md, markdown_table, stat, write_result
+from kiln.bench.result import fmt, header_md, markdown_table, stat, write_result
 
 TITLES = {"latency": "kiln bench latency", "throughput": "kiln bench throughput",
           "serve": "kiln bench serve", "profile": "kiln profile"}
@@ -25,14 +25,19 @@ def _latency_table(metrics: list[dict]) -> str:
     for m in metrics:
         itl = m["itl_ms"]
         row = [case_label(m["case"]), stat(m["ttft_ms"], "mean"), stat(m["tpot_ms"], "mean"),
-               f"{stat(itl, 'p50') or 0:.2f} / {stat(itl, 'p99') or 0:.2f}",
+               f"{fmt(stat(itl, 'p50'), 2)} / {fmt(stat(itl, 'p99'), 2)}",
                m["decode_tokens_per_s"], m["output_tokens_per_s"], m.get("achieved_gbps"),
-               100 * m["bandwidth_utilization"] if "bandwidth_utilization" in m else None]
+               None if m.get("bandwidth_utilization") is None
+               else 100 * m["bandwidth_utilization"]]
         if peer:
             row += [m.get("peer", {}).get("decode_tokens_per_s"),
-                    f"{m['peer_speedup']['decode_tokens_per_s']:.2f}x" if "peer" in m else "—"]
+                    _times(m.get("peer_speedup", {}).get("decode_tokens_per_s"))]
         rows.append(row)
     return markdown_table(headers, rows)
+
+
+def _times(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{ratio:.2f}x"
 
 
 def _throughput_table(metrics: list[dict]) -> str:
@@ -53,7 +58,7 @@ def _throughput_table(metrics: list[dict]) -> str:
 
 
 def _pair(m: dict, key: str) -> str:
-    return f"{stat(m[key], 'mean') or 0:,.1f} / {stat(m[key], 'p99') or 0:,.1f}"
+    return f"{fmt(stat(m[key], 'mean'))} / {fmt(stat(m[key], 'p99'))}"
 
 
 def _serve_table(metrics: list[dict]) -> str:

@@ -2,7 +2,9 @@
 
 Requests leave on a schedule (Poisson or constant arrivals at ``request_rate``; ``inf`` sends
 them all at once), optionally capped at ``max_concurrency`` in flight (with ``inf``, a fixed
-concurrency load). Each rate of a sweep replays the same requests and the same arrival draw.
+concurrency load). Each rate of a sweep draws fresh prompts of the same lengths (seed + 1000 *
+its index; a JSONL dataset is replayed as is), so no rate hits prefix-cache blocks left by
+another; the arrival draw uses the workload seed.
 """
 
 from __future__ import annotations
@@ -21,13 +23,23 @@ import torch
 from kiln.bench.env import device_info
 from kiln.bench.offline import make_progress
 from kiln.bench.result import make_result
-from kiln.bench.serve_client import StreamResult, completion_payload, stream_completion
+from kiln.bench.serve_client import (
+    StreamResult,
+    completion_payload,
+    stream_completion,
+)
 from kiln.bench.serve_client import wait_for_server as _wait
 from kiln.bench.stats import goodput, latency_metrics, request_latencies
-from kiln.bench.workload import BenchRequest, WorkloadSpec, build_requests
+from kiln.bench.workload import (
+    WARMUP_SEED_OFFSET,
+    BenchRequest,
+    WorkloadSpec,
+    derived_requests,
+)
 
 ARRIVALS = ("poisson", "constant")
 WARMUP_OUTPUT_LEN = 16
+RATE_SEED_STEP = 1000  # rate i of a sweep draws its prompts with seed + i * 1000
 
 
 @dataclass
@@ -139,26 +151,30 @@ async def _run_rate(client: httpx.AsyncClient, cfg: ServeConfig, model: str,
     return metrics, records
 
 
-async def run_serve_async(cfg: ServeConfig) -> dict[str, Any]:
-    served = await _wait(cfg.base_url, cfg.ready_check_timeout_s)
+async def run_serve_async(cfg: ServeConfig, transport: httpx.AsyncBaseTransport | None = None
+                          ) -> dict[str, Any]:
+    """Every rate of ``cfg``; ``transport`` replaces the network (tests)."""
+    served = await _wait(cfg.base_url, cfg.ready_check_timeout_s, transport)
     model = cfg.model or (served[0] if served else None)
     if model is None:
         raise ValueError(f"{cfg.base_url}/v1/models lists no model; pass --served-model-name")
-    requests = build_requests(cfg.workload, cfg.vocab_size)
     metrics, records = [], []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=cfg.request_timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=cfg.request_timeout_s, limits=limits,
+                                 transport=transport) as client:
         with make_progress() as progress:
             if cfg.num_warmups:
                 url = cfg.base_url.rstrip("/") + cfg.endpoint
                 warm = await asyncio.gather(*[
                     stream_completion(client, url, completion_payload(
-                        model, r.prompt, min(r.output_len, WARMUP_OUTPUT_LEN), cfg.ignore_eos))
-                    for r in requests[:cfg.num_warmups]])
+                        model, r.prompt, r.output_len, cfg.ignore_eos))
+                    for r in derived_requests(cfg.workload, cfg.vocab_size, WARMUP_SEED_OFFSET,
+                                              cfg.num_warmups, WARMUP_OUTPUT_LEN)])
                 failed = [w.error for w in warm if not w.ok]
                 if failed:
                     raise RuntimeError(f"warm-up request failed: {failed[0]}")
             for case, rate in enumerate(cfg.request_rates):
+                requests = derived_requests(cfg.workload, cfg.vocab_size, case * RATE_SEED_STEP)
                 m, recs = await _run_rate(client, cfg, model, requests, rate, case, progress)
                 metrics.append(m)
                 records += recs

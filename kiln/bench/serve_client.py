@@ -79,20 +79,30 @@ async def stream_completion(client: httpx.AsyncClient, url: str,
     return result
 
 
-async def wait_for_server(base_url: str, timeout_s: float) -> list[str]:
-    """Poll ``/v1/models`` until the server answers; returns the model ids it serves."""
+async def wait_for_server(base_url: str, timeout_s: float,
+                          transport: httpx.AsyncBaseTransport | None = None) -> list[str]:
+    """Wait until the server is ready; returns the model ids ``/v1/models`` lists.
+
+    Ready means ``/health`` answers 200 (Kiln and vLLM answer 503 while the model loads,
+    although ``/v1/models`` already works); a server without ``/health`` (404) is ready once
+    ``/v1/models`` answers.
+    """
+    base = base_url.rstrip("/")
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    async with httpx.AsyncClient(timeout=5.0, transport=transport) as client:
         while True:
             try:
-                resp = await client.get(base_url.rstrip("/") + "/v1/models")
-                if resp.status_code == 200:
-                    return [m["id"] for m in resp.json().get("data", [])]
-                last = f"HTTP {resp.status_code}"
+                health = await client.get(base + "/health")
+                if health.status_code in (200, 404):
+                    resp = await client.get(base + "/v1/models")
+                    if resp.status_code == 200:
+                        return [m["id"] for m in resp.json().get("data", [])]
+                    last = f"/v1/models: HTTP {resp.status_code}"
+                else:
+                    last = f"/health: HTTP {health.status_code}"
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}"
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{base_url} did not answer /v1/models within {timeout_s:g} s "
-                                   f"({last})")
+                raise TimeoutError(f"{base_url} was not ready within {timeout_s:g} s ({last})")
             await asyncio.sleep(0.5)

@@ -1,8 +1,8 @@
 """``kiln bench throughput``: N requests from a workload, all submitted at once.
 
 Elapsed time runs from the first ``add_request`` to the last finished request (after a few
-short warm-up requests that are not counted). Input and output token counts are the engine's
-own (prompt token ids it holds, tokens it generated).
+short warm-up requests on other prompts, not counted). Input and output token counts are the
+engine's own (prompt token ids it holds, tokens it generated).
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ from kiln.bench import offline
 from kiln.bench.hf_peer import HFPeer
 from kiln.bench.result import make_result
 from kiln.bench.stats import latency_metrics
-from kiln.bench.workload import BenchRequest, WorkloadSpec, build_requests
+from kiln.bench.workload import (
+    WARMUP_SEED_OFFSET,
+    WorkloadSpec,
+    build_requests,
+    derived_requests,
+)
 from kiln.models.loader import resolve_device, resolve_model_path
 
 WARMUP_OUTPUT_LEN = 16
@@ -43,40 +48,49 @@ def throughput_metrics(records: list[dict], elapsed_s: float) -> dict[str, Any]:
             **latency_metrics(records)}
 
 
-def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
-    device = resolve_device(cfg.engine_kwargs.get("device", "auto"))
+def _run_kiln(cfg: ThroughputConfig, progress: Any) -> tuple[dict, list[dict], dict]:
     llm = offline.build_llm(cfg.model, cfg.engine_kwargs)
     loaded = llm.engine.loaded
     requests = build_requests(cfg.workload, loaded.arch.vocab_size)
+    if cfg.num_warmups:
+        warm = derived_requests(cfg.workload, loaded.arch.vocab_size, WARMUP_SEED_OFFSET,
+                                cfg.num_warmups, WARMUP_OUTPUT_LEN)
+        offline.run_requests(llm, warm, progress, "warm-up")
+    offline.sync(loaded.device)
+    t0 = time.monotonic()
+    outs = offline.run_requests(llm, requests, progress, f"{len(requests)} requests")
+    offline.sync(loaded.device)
+    elapsed = time.monotonic() - t0
+    records = [offline.request_record(out, 0, t0) for out in outs]
+    metrics = {"case": {"num_prompts": len(requests)}, **throughput_metrics(records, elapsed)}
+    info = {"dtype": loaded.dtype, "device": loaded.device, "path": loaded.path,
+            "startup_seconds": llm.engine.startup_seconds, "requests": requests}
+    del loaded, outs
+    offline.free_llm(llm)  # before the peer loads into the same device memory
+    return metrics, records, info
+
+
+def _run_peer(cfg: ThroughputConfig, info: dict, metrics: dict, progress: Any) -> str:
+    task = progress.add_task("HF peer", total=None)
+    requests = info["requests"]
+    peer = HFPeer(Path(info["path"] or resolve_model_path(cfg.model)), info["dtype"],
+                  info["device"], cfg.engine_kwargs.get("load_format", "auto"))
+    if cfg.num_warmups:
+        peer.generate([r.prompt for r in requests[:cfg.num_warmups]], WARMUP_OUTPUT_LEN)
+    pm = peer.run_batches(requests, cfg.peer_batch_size or len(requests))
+    metrics["peer"] = pm
+    metrics["peer_speedup"] = {  # > 1: Kiln is faster
+        k: metrics[k] / pm[k] for k in ("requests_per_s", "output_tokens_per_s",
+                                        "total_tokens_per_s")}
+    progress.remove_task(task)
+    return peer.name
+
+
+def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
+    device = resolve_device(cfg.engine_kwargs.get("device", "auto"))
     with offline.make_progress() as progress:
-        if cfg.num_warmups:
-            warm = [BenchRequest(r.prompt, min(r.output_len, WARMUP_OUTPUT_LEN))
-                    for r in requests[:cfg.num_warmups]]
-            offline.run_requests(llm, warm, progress, "warm-up")
-        offline.sync(loaded.device)
-        t0 = time.monotonic()
-        outs = offline.run_requests(llm, requests, progress, f"{len(requests)} requests")
-        offline.sync(loaded.device)
-        elapsed = time.monotonic() - t0
-        records = [offline.request_record(out, 0, t0) for out in outs]
-        metrics = {"case": {"num_prompts": len(requests)}, **throughput_metrics(records, elapsed)}
-        info = {"dtype": loaded.dtype, "device": loaded.device, "path": loaded.path,
-                "startup_seconds": llm.engine.startup_seconds}
-        peer_name = None
-        if cfg.peer == "hf":
-            offline.free_llm(llm)
-            task = progress.add_task("HF peer", total=None)
-            peer = HFPeer(Path(info["path"] or resolve_model_path(cfg.model)), info["dtype"],
-                          info["device"], cfg.engine_kwargs.get("load_format", "auto"))
-            if cfg.num_warmups:
-                peer.generate([r.prompt for r in requests[:cfg.num_warmups]], WARMUP_OUTPUT_LEN)
-            pm = peer.run_batches(requests, cfg.peer_batch_size or len(requests))
-            peer_name = peer.name
-            metrics["peer"] = pm
-            metrics["peer_speedup"] = {  # > 1: Kiln is faster
-                k: metrics[k] / pm[k]
-                for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
-            progress.remove_task(task)
+        metrics, records, info = _run_kiln(cfg, progress)
+        peer_name = _run_peer(cfg, info, metrics, progress) if cfg.peer == "hf" else None
     config = {k: v for k, v in asdict(cfg).items() if k not in ("engine_kwargs", "workload")}
     config.update(engine=cfg.engine_kwargs, engine_defaults=offline.BENCH_ENGINE_DEFAULTS,
                   peer_engine=peer_name, warmup_output_len=WARMUP_OUTPUT_LEN,

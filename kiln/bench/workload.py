@@ -102,6 +102,26 @@ def build_requests(spec: WorkloadSpec, vocab_size: int | None = None) -> list[Be
             for n, m in zip(input_lens, output_lens, strict=True)]
 
 
+WARMUP_SEED_OFFSET = 1_000_003  # warm-up prompts come from a stream no measured request uses
+
+
+def derived_requests(spec: WorkloadSpec, vocab_size: int | None, seed_offset: int,
+                     num_prompts: int | None = None, output_len: int | None = None
+                     ) -> list[BenchRequest]:
+    """Requests like ``spec``'s but from another seed (fresh prompts: no prefix-cache hits
+    between warm-up and measurement, or between the rates of a sweep). A JSONL dataset has
+    only its own prompts, so it is replayed as is."""
+    n = num_prompts or spec.num_prompts
+    if spec.dataset_name == "jsonl":
+        reqs = build_requests(dataclasses.replace(spec, num_prompts=n))
+    else:
+        reqs = build_requests(dataclasses.replace(spec, num_prompts=n,
+                                                  seed=spec.seed + seed_offset), vocab_size)
+    if output_len is not None:
+        reqs = [BenchRequest(r.prompt, min(r.output_len, output_len)) for r in reqs]
+    return reqs
+
+
 def _parse_line(obj: Any, where: str, default_output_len: int) -> BenchRequest:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object")

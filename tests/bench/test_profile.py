@@ -1,0 +1,156 @@
+"""kiln profile: shape-based estimates, phase ranges, and a real profile of the tiny model."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kiln.cli import main
+from kiln.profile.annotate import annotate_engine
+from kiln.profile.kernels import collect_rows, estimate, table
+
+
+def test_gemm_estimates_from_shapes():
+    e = estimate("aten::mm", [[4, 64], [64, 192]], ["float", "float"], 2)
+    assert e.flops == 2 * 4 * 64 * 192
+    assert e.bytes == (4 * 64 + 64 * 192 + 4 * 192) * 4  # recorded dtype wins over default
+    e = estimate("aten::addmm", [[192], [4, 64], [64, 192], [], []], None, 2)
+    assert e.flops == 2 * 4 * 64 * 192
+    assert e.bytes == (192 + 4 * 64 + 64 * 192 + 4 * 192) * 2
+    e = estimate("aten::bmm", [[3, 5, 7], [3, 7, 11]], ["c10::BFloat16"] * 2, 4)
+    assert e.flops == 2 * 3 * 5 * 7 * 11 and e.bytes == (3 * 5 * 7 + 3 * 7 * 11 + 3 * 5 * 11) * 2
+
+
+def test_attention_copy_view_and_indexing_estimates():
+    q, kv = [2, 8, 16, 64], [2, 8, 32, 64]
+    e = estimate("aten::_scaled_dot_product_flash_attention", [q, kv, kv], None, 2)
+    assert e.flops == 4 * 2 * 8 * 16 * 32 * 64
+    assert e.bytes == (2 * 8 * 16 * 64 * 2 + 2 * 2 * 8 * 32 * 64) * 2
+    assert estimate("aten::copy_", [[10, 10], [10, 10], []], None, 2).bytes == 400
+    assert estimate("aten::copy_", [[10, 10], [10, 10], []], None, 2).flops == 0
+    assert estimate("aten::view", [[1 << 20], []], None, 2).bytes == 0
+    assert estimate("aten::index", [[1000, 16], []], None, 2).bytes is None
+    e = estimate("aten::add", [[8, 8], [8, 8], []], None, 4)
+    assert e.flops == 64 and e.bytes == 3 * 64 * 4  # two reads, one write
+
+
+def test_table_classifies_against_the_ridge():
+    from kiln.profile.kernels import KernelRow
+
+    rows = [KernelRow("gemm", "gemm", "", set(), 1, 1000.0, 4e9, 1e6),  # 4000 FLOP/B
+            KernelRow("norm", "norm", "", set(), 1, 1000.0, 1e6, 1e7)]  # 0.1 FLOP/B
+    out = table(rows, peak_tflops=10.0, peak_gbps=100.0)  # ridge: 100 FLOP/byte
+    assert [r["bound"] for r in out] == ["compute", "memory"]
+    assert out[0]["tflops"] == pytest.approx(4.0) and out[0]["roof_fraction"] == pytest.approx(0.4)
+    assert out[1]["gbps"] == pytest.approx(10.0) and out[1]["roof_fraction"] == pytest.approx(0.1)
+    assert sum(r["share"] for r in out) == pytest.approx(1.0)
+
+
+def _event(name, device="DeviceType.CPU", shapes=(), kernels=(), us=0.0, annotation=False):
+    return SimpleNamespace(
+        name=name, device_type=device, input_shapes=[list(x) for x in shapes],
+        input_dtypes=None, cpu_children=[], self_cpu_time_total=0.0,
+        kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels],
+        time_range=SimpleNamespace(elapsed_us=lambda: us), is_user_annotation=annotation)
+
+
+def test_cuda_rows_attribute_kernels_to_ops():
+    """The CUDA grouping on synthetic profiler events (no GPU here): an op's kernels make
+    one call, Python-launched kernels keep their own rows, annotations are not kernels."""
+    cuda = "DeviceType.CUDA"
+    events = [
+        _event("aten::mm", shapes=[(4, 64), (64, 192)], kernels=[("gemm", 100.0),
+                                                                 ("splitk_reduce", 5.0)]),
+        _event("kiln.forward", kernels=[("_paged_attention_kernel", 50.0)], annotation=True),
+        _event("gemm", cuda, us=100.0), _event("splitk_reduce", cuda, us=5.0),
+        _event("_paged_attention_kernel", cuda, us=50.0),
+        _event("Memcpy HtoD (Pageable -> Device)", cuda, us=10.0),
+        _event("kiln.forward", cuda, us=500.0, annotation=True),  # the range on the GPU row
+    ]
+    rows = {r.name: r for r in collect_rows(events, on_cuda=True, default_elsize=2)}
+    assert set(rows) == {"aten::mm", "_paged_attention_kernel",
+                         "Memcpy HtoD (Pageable -> Device)"}
+    mm = rows["aten::mm"]
+    assert (mm.calls, mm.time_us, mm.flops) == (1, 105.0, 2 * 4 * 64 * 192)
+    assert mm.kernels == {"gemm", "splitk_reduce"}
+    attn = rows["_paged_attention_kernel"]
+    assert attn.launched_by == "kiln.forward" and attn.time_us == 50.0 and attn.flops is None
+    assert rows["Memcpy HtoD (Pageable -> Device)"].launched_by == "(no aten op)"
+    assert sum(r.time_us for r in rows.values()) == 165.0
+
+
+def test_annotate_engine_wraps_and_restores(tiny_llama):
+    from kiln.llm import LLM
+
+    llm = LLM(str(tiny_llama), device="cpu", num_kv_blocks=64)
+    engine = llm.engine
+    before = (type(engine.scheduler).schedule, type(engine.runner).prepare)
+    llm.generate([[5, 6, 7]], None)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, \
+            annotate_engine(engine, nvtx=False):
+        assert "schedule" in vars(engine.scheduler) and "forward" in vars(engine.runner.model)
+        llm.generate([[5, 6, 7, 8]], None)
+    names = {e.name for e in prof.events()}
+    assert {"kiln.schedule", "kiln.prepare_inputs", "kiln.forward", "kiln.logits",
+            "kiln.sample", "kiln.update"} <= names
+    for obj, method in ((engine.scheduler, "schedule"), (engine.runner, "prepare"),
+                        (engine.runner.model, "forward"), (engine.runner.model, "compute_logits"),
+                        (engine.runner.sampler, "sample"),
+                        (engine, "_update")):
+        assert method not in vars(obj)
+    assert (type(engine.scheduler).schedule, type(engine.runner).prepare) == before
+
+
+def test_gemm_flops_agree_with_torch_counter(tiny_llama):
+    """Our shape-based GEMM FLOPs equal torch.profiler's own with_flops counts."""
+    from kiln.llm import LLM
+
+    llm = LLM(str(tiny_llama), device="cpu", num_kv_blocks=64)
+    with torch.profiler.profile(record_shapes=True, with_flops=True) as prof:
+        llm.generate([[5, 6, 7, 8, 9]] * 2, None)
+    events = list(prof.events())
+    torch_flops = sum(e.flops for e in events if e.name in ("aten::mm", "aten::addmm"))
+    rows = collect_rows(events, on_cuda=False, default_elsize=4)
+    ours = sum(r.flops for r in rows if r.name in ("aten::mm", "aten::addmm"))
+    assert torch_flops > 0 and ours == torch_flops
+
+
+def test_profile_command_on_tiny_model(tiny_llama, tmp_path):
+    out = tmp_path / "prof"
+    res = CliRunner().invoke(main, [
+        "profile", "--model", str(tiny_llama), "--device", "cpu", "--batch-size", "2",
+        "--input-len", "8", "--num-steps", "3", "--skip-steps", "1", "--num-kv-blocks", "64",
+        "--output-dir", str(out)])
+    assert res.exit_code == 0, res.output
+    assert {"result.json", "summary.md", "trace.json", "roofline.png"} <= {
+        p.name for p in out.iterdir()}
+    trace = json.loads((out / "trace.json").read_text())
+    ranges = {e.get("name") for e in trace["traceEvents"]}
+    assert {"kiln.step 0", "kiln.step 2", "kiln.forward", "kiln.sample"} <= ranges
+    result = json.loads((out / "result.json").read_text())
+    assert result["kind"] == "profile" and result["requests"] == []
+    m = result["metrics"][0]
+    assert m["step_ms"]["n"] == 3 and m["phases"]["forward"]["calls"] == 3
+    rows = m["kernels"]
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    gemms = [r for r in rows if r["name"] in ("aten::mm", "aten::addmm")]
+    assert gemms and all(r["flops"] > 0 and r["bound"] in ("compute", "memory")
+                         for r in gemms)
+    assert "| kernel / op |" in (out / "summary.md").read_text()
+
+
+def test_profile_nvtx_only_runs_without_torch_profiler(tiny_llama, tmp_path):
+    out = tmp_path / "nvtx"
+    res = CliRunner().invoke(main, [
+        "profile", "--model", str(tiny_llama), "--device", "cpu", "--batch-size", "1",
+        "--input-len", "4", "--num-steps", "2", "--num-kv-blocks", "64", "--nvtx-only",
+        "--peak-gbps", "10", "--peak-tflops", "1", "--output-dir", str(out)])
+    assert res.exit_code == 0, res.output
+    result = json.loads((out / "result.json").read_text())
+    assert result["metrics"][0]["step_ms"]["n"] == 2 and result["metrics"][0]["kernels"] == []
+    assert result["ceilings"]["bandwidth_source"] == "given"
+    assert not (out / "trace.json").exists()
