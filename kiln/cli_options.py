@@ -22,7 +22,30 @@ _CHOICES = {
     "preemption_mode": cfg.PREEMPTION_MODES, "attention_backend": cfg.ATTENTION_BACKENDS,
     "kv_cache_dtype": cfg.KV_CACHE_DTYPES, "quantization": cfg.QUANTIZATION_METHODS,
 }
-_SKIP = {"model"}  # each command declares --model itself (with its own default)
+_SKIP = {"model"}
+_HELP = {
+    "dtype": "weights and activations dtype (auto: the checkpoint's on GPU, float32 on CPU)",
+    "device": "where the model runs (auto: CUDA when visible)",
+    "load_format": "dummy: random weights from config.json alone (benchmarks)",
+    "max_model_len": "longest prompt + output served (default: the model's limit)",
+    "revision": "hub revision to download",
+    "seed": "engine seed (dummy weights; generate also seeds its sampling with it)",
+    "quantization": "quantize the weights at load",
+    "block_size": "tokens per KV-cache block",
+    "gpu_memory_utilization": "fraction of GPU memory Kiln may use (weights + KV pool)",
+    "swap_space": "GB of CPU memory for swapped-out requests (preemption_mode swap)",
+    "cpu_kv_cache_space": "GB for the KV pool when running on CPU",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "num_kv_blocks": "fix the KV pool size in blocks (overrides the memory budget)",
+    "kv_cache_dtype": "fp8 stores K/V in float8 e4m3 with per-layer scales",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step (longer prompts are chunked)",
+    "preemption_mode": "what happens to a request preempted for KV space",
+    "max_waiting_requests": "the server answers 429 beyond this many waiting requests",
+    "tensor_parallel_size": "GPUs to split each layer over",
+    "enforce_eager": "no CUDA graphs",
+    "attention_backend": "torch (reference, any device) or triton (CUDA); auto picks",
+}  # each command declares --model itself (with its own default)
 
 
 def _click_type(name: str, annotation: str) -> Any:
@@ -56,10 +79,10 @@ def engine_options(command: Callable) -> Callable:
         if annotation == "bool":
             decl = f"{flag}/--no-{name.replace('_', '-')}"
             command = click.option(decl, name, default=None, show_default=str(default),
-                                   help=f"engine option {name}")(command)
+                                   help=_HELP.get(name, name))(command)
         else:
             command = click.option(flag, name, type=_click_type(name, annotation), default=None,
-                                   show_default=str(default), help=f"engine option {name}")(command)
+                                   show_default=str(default), help=_HELP.get(name, name))(command)
         names.append(name)
 
     @functools.wraps(command)

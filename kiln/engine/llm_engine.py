@@ -31,6 +31,11 @@ log = logging.getLogger("kiln.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if config.parallel.tensor_parallel_size > 1:
+            # the layers shard already (kiln/parallel.py); the multi-process launcher does not
+            # exist yet, so refuse rather than silently run on one GPU
+            raise ValueError("tensor_parallel_size > 1 is not supported by the engine yet; "
+                             "run with tensor_parallel_size=1")
         mc = config.model
         self.loaded = loaded or load_model(
             mc.model, dtype=mc.dtype, device=mc.device, load_format=mc.load_format,
