@@ -1,8 +1,10 @@
 """AsyncEngine: the engine's step loop on a background thread, async streams per request.
 
-The event loop never runs the model: ``generate`` queues a request and awaits its outputs,
-which the step thread posts back with ``call_soon_threadsafe``. Leaving the stream early
-(client gone, task cancelled) aborts the request and frees its KV blocks.
+The event loop never waits on the model: ``generate`` validates the request on the caller's
+thread (tokenization, limits), hands it to the step thread through a command queue, and awaits
+its outputs, which the step thread posts back with ``call_soon_threadsafe``. Aborts travel the
+same queue. Leaving a stream early (client gone, task cancelled) aborts the request and frees
+its KV blocks.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,14 +21,17 @@ from typing import Any
 from kiln.config import EngineConfig
 from kiln.engine.inputs import PromptLike
 from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.request import Request
 from kiln.outputs import RequestOutput
 from kiln.sampling.params import SamplingParams
 
 log = logging.getLogger("kiln.engine")
+IDLE_WAIT_S = 0.5
+BLOCKED_WAIT_S = 0.005  # requests exist but none fits right now: do not spin
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop failed; requests in flight end with finish_reason 'error'."""
+    """The step loop failed or shut down; requests in flight end with this error."""
 
 
 @dataclass
@@ -33,13 +39,17 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()  # the engine is not thread-safe; one caller at a time
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
         self._ids = itertools.count()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
@@ -73,11 +83,13 @@ class AsyncEngine:
         if self._stopping:
             raise EngineDeadError("the engine is shutting down")
         request_id = request_id or f"req-{next(self._ids)}"
+        request = self.engine.make_request(request_id, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params)
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._wakeup.set()
+        self._send(("add", request))
         finished = False
         try:
             while not finished:
@@ -91,42 +103,74 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks (safe from any thread; unknown ids ignored)."""
-        with self._lock:
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
+        """Stop a request and free its blocks (any thread; unknown ids are ignored).
+
+        Its stream, if someone still reads it, receives the final aborted output.
+        """
+        self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _take_stream(self, request_id: str) -> _Stream | None:
+        with self._streams_lock:
+            return self._streams.pop(request_id, None)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(arg)
+            else:
+                output = self.engine.abort_request(arg)
+                stream = self._take_stream(arg)
+                if stream is not None and output is not None:
+                    stream.put(output)
+
+    def _add(self, request: Request) -> None:
+        if request.request_id not in self._streams:  # aborted before it was queued
+            return
+        try:
+            self.engine.enqueue(request)
+        except ValueError as exc:
+            stream = self._take_stream(request.request_id)
+            if stream is not None:
+                stream.put(exc)
 
     def _loop(self) -> None:
         while not self._stopping:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-            if not busy:
-                self._wakeup.wait(timeout=0.5)
+            self._run_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=IDLE_WAIT_S)
                 self._wakeup.clear()
                 continue
             try:
-                with self._lock:
-                    outputs = self.engine.step()
-                    deliveries = [(self._streams.get(o.request_id), o) for o in outputs]
-                    for o in outputs:
-                        if o.finished:
-                            self._streams.pop(o.request_id, None)
+                outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a failed step must not hang every client
                 log.exception("engine step failed; failing the requests in flight")
-                self._fail_all(exc)
+                self._fail_all(EngineDeadError(f"engine step failed: {type(exc).__name__}: "
+                                               f"{exc}"))
                 continue
-            for stream, output in deliveries:
+            for output in outputs:
+                stream = (self._take_stream(output.request_id) if output.finished
+                          else self._streams.get(output.request_id))
                 if stream is not None:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+                    stream.put(output)
+            if self.engine.num_scheduled_last_step == 0:
+                self._wakeup.wait(timeout=BLOCKED_WAIT_S)
+                self._wakeup.clear()
 
-    def _fail_all(self, exc: Exception) -> None:
-        with self._lock:
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        with self._streams_lock:
             streams, self._streams = self._streams, {}
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-        error = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
         for stream in streams.values():
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            stream.put(error)
 
     async def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for in-flight requests; True if all finished."""
@@ -137,14 +181,9 @@ class AsyncEngine:
         return not self._streams
 
     def shutdown(self) -> None:
-        """Abort whatever is left and stop the step thread."""
-        with self._lock:
-            for request_id in list(self._streams):
-                self.engine.abort_request(request_id)
-            streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.loop.call_soon_threadsafe(
-                stream.queue.put_nowait, EngineDeadError("the engine shut down"))
+        """Stop the step thread, then abort whatever is left."""
         self._stopping = True
         self._wakeup.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=30)
+        self._run_commands()
+        self._fail_all(EngineDeadError("the engine shut down"))

@@ -56,6 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.loaded, self.kv_cache, self.kv, self.backend)
         self.requests: dict[str, Request] = {}
+        self.num_scheduled_last_step = 0
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.startup_seconds = {"load_weights": self.loaded.load_seconds,
                                 "warm_up_size_and_allocate_kv": time.perf_counter() - start}
@@ -86,19 +87,44 @@ class LLMEngine:
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        request = self.make_request(request_id, prompt, params, arrival_time, stream)
+        self.enqueue(request)
+        return request
+
+    def make_request(self, request_id: str, prompt: PromptLike, params: SamplingParams,
+                     arrival_time: float | None = None, stream: bool = True) -> Request:
+        """Tokenize and validate without touching the engine's state (safe from any thread)."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a kiln.SamplingParams")
-        parsed = tokenize_prompt(prompt, self.tokenizer, self.loaded.arch.vocab_size)
-        check_prompt_length(len(parsed.token_ids), self.max_model_len)
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs="
-                             f"{self.config.scheduler.max_num_seqs}")
-        request = Request(request_id, parsed.token_ids, params, self.loaded.eos_token_ids,
-                          self.max_model_len, self.tokenizer, self.loaded.device,
-                          prompt=parsed.text, arrival_time=arrival_time, stream=stream)
-        self.requests[request_id] = request
+        vocab_size = self.loaded.arch.vocab_size
+        parsed = tokenize_prompt(prompt, self.tokenizer, vocab_size)
+        num_prompt = len(parsed.token_ids)
+        check_prompt_length(num_prompt, self.max_model_len)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_num_seqs:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs={max_num_seqs}")
+        bad = [t for t in params.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad} are outside the vocabulary "
+                             f"[0, {vocab_size})")
+        # the n samples are scheduled together: if they can never hold their blocks at once the
+        # request would be preempted and requeued forever, stalling everything behind it
+        longest = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))
+        needed = params.n * self.kv.num_blocks_needed(longest)
+        if needed > self.kv_cache.num_blocks:
+            raise ValueError(f"SamplingParams.n={params.n} samples of up to {longest} tokens "
+                             f"need {needed} KV "
+                             f"blocks but the cache holds {self.kv_cache.num_blocks}; lower n or "
+                             f"max_tokens")
+        return Request(request_id, parsed.token_ids, params, self.loaded.eos_token_ids,
+                       self.max_model_len, self.tokenizer, self.loaded.device,
+                       prompt=parsed.text, arrival_time=arrival_time, stream=stream)
+
+    def enqueue(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.scheduler.add(request)
-        return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; unknown ids are ignored."""
@@ -109,6 +135,7 @@ class LLMEngine:
         request.abort()
         request.metrics.finished_time = time.monotonic()
         self.stats.finished_by_reason["abort"] += 1
+        self._refresh_gauges()
         return request.output()
 
     def has_unfinished_requests(self) -> bool:
@@ -119,6 +146,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the requests that progressed (or finished)."""
         out = self.scheduler.schedule()
+        self.num_scheduled_last_step = len(out.scheduled)
         if not out.scheduled:
             self.runner.apply_cache_ops(out)
             self._refresh_gauges()

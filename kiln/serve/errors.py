@@ -6,6 +6,7 @@ Handlers turn FastAPI's validation errors (422 by default; OpenAI says 400), Sta
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any
@@ -21,7 +22,7 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
           429: "requests", 500: "server_error", 503: "server_error"}
 _CODES = {401: "invalid_api_key", 429: "rate_limit_exceeded", 503: "service_unavailable"}
-_SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+) ")
+_SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+)\b")
 
 
 class APIError(Exception):
@@ -40,8 +41,16 @@ def error_body(status: int, message: str, param: str | None = None,
                       "param": param, "code": code if code is not None else _CODES.get(status)}}
 
 
+class ErrorJSONResponse(JSONResponse):
+    """ASCII-escaped: a message quoting user input may hold lone surrogates, which UTF-8 cannot
+    encode but a JSON escape can."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code),
+    return ErrorJSONResponse(error_body(err.status, err.message, err.param, err.code),
                         status_code=err.status, headers=headers)
 
 

@@ -1,0 +1,164 @@
+"""``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.serve.errors import APIError, bad_request
+from kiln.serve.generation import (
+    DeltaTracker,
+    check_text,
+    collect_finals,
+    merged_outputs,
+    resolve_max_tokens,
+    sampling_params,
+    unless_disconnected,
+    usage_of,
+)
+from kiln.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChoiceLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
+from kiln.serve.state import ServerState, finite_logprob
+from kiln.serve.streaming import SSEResponse, event_stream
+
+
+def _content_text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return check_text(content, f"messages.{index}.content")
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"messages.{index}.content: only text parts are supported, got "
+                                f"a part of type {part.type!r}", param=f"messages.{index}.content")
+        texts.append(check_text(part.text, f"messages.{index}.content"))
+    return "\n".join(texts)
+
+
+def chat_prompt_ids(state: ServerState, messages: list[ChatMessage],
+                    add_generation_prompt: bool = True) -> list[int]:
+    """Render the messages with the chat template and tokenize (400s say what went wrong)."""
+    tokenizer = state.ready_engine().tokenizer
+    if not messages:
+        raise APIError(400, "messages is empty; give at least one message", param="messages")
+    template = state.chat_template or getattr(tokenizer, "chat_template", None)
+    if tokenizer is None or not template:
+        raise APIError(400, "this model has no chat template, so /v1/chat/completions cannot "
+                            "format messages; use /v1/completions with a prompt, or restart "
+                            "the server with --chat-template", param="messages")
+    conversation = [{"role": check_text(m.role, f"messages.{i}.role"),
+                     "content": _content_text(m, i)} for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+        # The template writes any BOS itself; encoding must not add a second one.
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception as exc:  # noqa: BLE001 - templates are model code that may raise anything
+        raise APIError(400, f"the chat template rejected these messages: {exc}",
+                       param="messages") from None
+    if not ids:
+        raise APIError(400, "the messages render to an empty prompt", param="messages")
+    return ids
+
+
+def _logprobs(state: ServerState, tokenizer: Any, choice: CompletionOutput, start: int,
+              num_top: int) -> ChoiceLogprobs:
+    content = []
+    for token_id, entry in zip(choice.token_ids[start:], (choice.logprobs or [])[start:],
+                               strict=False):
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
+        token = state.token_text(tokenizer, token_id)
+        content.append(TokenLogprob(
+            token=token, logprob=finite_logprob(entry.get(token_id, float("nan"))),
+            bytes=list(token.encode()),
+            top_logprobs=[TopLogprob(token=(t := state.token_text(tokenizer, i)),
+                                     logprob=finite_logprob(lp), bytes=list(t.encode()))
+                          for i, lp in top]))
+    return ChoiceLogprobs(content=content)
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest,
+                                 request: Request) -> Response | ChatCompletionResponse:
+    engine = state.ready_engine()
+    state.check_model(body.model)
+    if body.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise APIError(400, "only response_format type 'text' is supported",
+                       param="response_format")
+    prompt = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    requested = (body.max_completion_tokens if body.max_completion_tokens is not None
+                 else body.max_tokens)
+    max_tokens = resolve_max_tokens(len(prompt), requested, engine.max_model_len)
+    num_top = body.top_logprobs or 0
+    params = sampling_params(body, max_tokens, num_top if body.logprobs else None)
+    state.check_queue(engine)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created, tokenizer = int(time.time()), engine.tokenizer
+    outputs = merged_outputs(engine, [prompt], params, request_id, state.metrics)
+
+    def logprobs_of(choice: CompletionOutput, start: int) -> ChoiceLogprobs | None:
+        return _logprobs(state, tokenizer, choice, start, num_top) if body.logprobs else None
+
+    if not body.stream:
+        try:
+            finals = await unless_disconnected(request, collect_finals(outputs))
+        except (ValueError, TypeError) as exc:
+            raise bad_request(exc) from None
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              logprobs=logprobs_of(c, 0), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason) for c in finals[0].outputs]
+        return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
+                                      choices=choices, usage=usage_of([prompt], finals))
+
+    try:
+        first = await unless_disconnected(request, outputs.__anext__())
+    except (ValueError, TypeError) as exc:
+        raise bad_request(exc) from None
+    tracker = DeltaTracker()
+    finals: dict[int, RequestOutput] = {}
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": state.model_name, "choices": choices, **extra}
+
+    def to_chunks(index: int, output: RequestOutput) -> Iterator[dict[str, Any]]:
+        if output.finished:
+            finals[index] = output
+        for c in output.outputs:
+            already = tracker.advance(index, c)
+            if already is None:
+                continue
+            num_chars, num_tokens = already
+            delta = {"content": c.text[num_chars:]} if len(c.text) > num_chars else {}
+            logprobs = logprobs_of(c, num_tokens)
+            yield chunk([{"index": c.index, "delta": delta,
+                          "logprobs": logprobs.model_dump() if logprobs else None,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+
+    # OpenAI opens every choice with the role, before any content
+    preamble = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}]) for i in range(params.n)]
+
+    def final() -> Iterator[dict[str, Any]]:
+        if body.stream_options and body.stream_options.include_usage:
+            yield chunk([], usage=usage_of([prompt], finals).model_dump())
+
+    return SSEResponse(event_stream(first, outputs, to_chunks, preamble=preamble, final=final))
+

@@ -1,0 +1,108 @@
+"""``kiln serve``: the OpenAI-compatible server on uvicorn, with every engine flag of kiln.LLM.
+
+Start-up order: flags are validated, the socket opens, then the engine loads on a background
+thread (``/health`` answers 503 until it is ready). SIGTERM or Ctrl-C: ``/health`` and new
+requests get 503, listeners close, in-flight requests have ``--shutdown-timeout`` seconds to
+finish, the rest are aborted, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+import uvicorn
+
+from kiln.cli_options import engine_options
+from kiln.serve.auth import API_KEY_ENV, load_api_keys
+from kiln.serve.state import ServerState
+
+log = logging.getLogger("kiln.serve")
+
+
+class KilnServer(uvicorn.Server):
+    """uvicorn's server, with a shutdown that drains first and ends in exit status 0."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.kiln_state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Unlike uvicorn we do not record the signal: uvicorn re-raises recorded signals after
+        # a graceful shutdown, which would end the process with status 128 + SIGTERM, not 0.
+        self.kiln_state.draining = True
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C skips the grace period
+        else:
+            self.should_exit = True
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    return path.read_text() if path.is_file() else value
+
+
+@click.command("serve")
+@click.option("--model", default="kiln-tiny", show_default=True,
+              help="checkpoint directory, Hugging Face hub id, or zoo name")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="address to bind (0.0.0.0 for every interface)")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", "api_keys", multiple=True, metavar="KEY",
+              help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize; "
+                   f"repeat for several keys, or set {API_KEY_ENV} (comma-separated)")
+@click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
+              help="model name(s) the API answers to (default: the --model value)")
+@click.option("--chat-template", default=None,
+              help="Jinja chat template, or a file holding one (default: the tokenizer's)")
+@click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
+              help="seconds in-flight requests may take to finish after SIGTERM")
+@click.option("--access-log/--no-access-log", default=True, show_default=True,
+              help="log one line per HTTP request (never headers, so never keys)")
+@engine_options
+def serve_command(model: str, host: str, port: int, api_keys: tuple[str, ...],
+                  served_model_names: tuple[str, ...], chat_template: str | None,
+                  shutdown_timeout: float, access_log: bool,
+                  engine_kwargs: dict[str, Any]) -> None:
+    """Serve MODEL behind an OpenAI-compatible HTTP API (completions, chat, metrics)."""
+    from kiln.config import EngineConfig
+    from kiln.engine.async_engine import AsyncEngine
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.serve.app import create_app
+
+    try:
+        config = EngineConfig.from_kwargs(model, **engine_kwargs)  # bad flags fail before binding
+        template = _read_chat_template(chat_template)
+    except (ValueError, TypeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    failed: list[BaseException] = []
+    server: KilnServer | None = None
+
+    def on_startup_error(exc: BaseException) -> None:
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(served_model_name=list(served_model_names) or [model],
+                     api_keys=load_api_keys(api_keys),
+                     engine_factory=lambda: AsyncEngine(LLMEngine(config)),
+                     model_path=model, chat_template=template,
+                     on_startup_error=on_startup_error)
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=level,
+                               access_log=access_log, timeout_graceful_shutdown=shutdown_timeout,
+                               lifespan="on")
+    server = KilnServer(uv_config, app.state.kiln)
+    click.echo(f"kiln serve: loading {model}; listening on http://{host}:{port} "
+               f"(GET /health answers 200 once the model is ready)", err=True)
+    server.run()
+    if failed:
+        raise click.ClickException(f"the engine failed to start: {failed[0]}")
+    sys.stdout.flush()

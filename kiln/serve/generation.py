@@ -1,0 +1,180 @@
+"""From a validated API request to engine requests and back: the part both endpoints share.
+
+An API request holds one or more prompts, each sampled ``n`` times; each prompt is one engine
+request. ``merged_outputs`` runs them side by side and yields ``(prompt_index, output)`` as
+tokens arrive. Closing it (the client left, the stream was cancelled) aborts whatever is still
+running, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from kiln.engine.async_engine import AsyncEngine
+from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.sampling.params import SamplingParams
+from kiln.serve.errors import APIError, bad_request
+from kiln.serve.metrics import ServerMetrics
+from kiln.serve.protocol import Usage
+
+T = TypeVar("T")
+
+
+def check_text(value: str, param: str) -> str:
+    """Reject lone surrogates (legal in JSON escapes): tokenizers and JSON output refuse them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param} is not valid Unicode (it holds a lone surrogate)",
+                       param=param) from None
+    return value
+
+
+def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The request's output budget; 400 (with both numbers) when it cannot fit the context."""
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, "
+                            f"but the prompt has {num_prompt_tokens} tokens; shorten it to at "
+                            f"most {max_model_len - 1}", param="prompt",
+                       code="context_length_exceeded")
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, "
+                            f"but {num_prompt_tokens + max_tokens} were requested "
+                            f"({num_prompt_tokens} in the prompt, {max_tokens} to generate); "
+                            f"lower max_tokens to at most {room} or shorten the prompt",
+                       param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+def sampling_params(body: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """SamplingParams from the fields both endpoints share; bad values -> 400 naming the field."""
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    stop = body.stop
+    for s in [stop] if isinstance(stop, str) else stop or []:
+        check_text(s, "stop")
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            n=body.n, max_tokens=max_tokens, min_tokens=body.min_tokens,
+            temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
+            top_k=given(body.top_k, 0), min_p=given(body.min_p, 0.0), seed=body.seed,
+            stop=stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+            presence_penalty=given(body.presence_penalty, 0.0),
+            frequency_penalty=given(body.frequency_penalty, 0.0),
+            repetition_penalty=given(body.repetition_penalty, 1.0), logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(exc) from None
+
+
+def usage_of(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:
+    num_prompt = sum(len(p) for p in prompts)
+    num_completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                 total_tokens=num_prompt + num_completion)
+
+
+async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+                         request_id: str, metrics: ServerMetrics
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield ``(prompt_index, cumulative output)`` for every prompt until all finish."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, prompt: list[int]) -> None:
+        try:
+            async for output in engine.generate(prompt, params, f"{request_id}-{index}"):
+                queue.put_nowait((index, output))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+
+    # All pumps run their add_request in this loop iteration, before any output can arrive,
+    # so a prompt the engine rejects is the first item the consumer sees.
+    pumps = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    running = set(range(len(prompts)))
+    try:
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                running.discard(index)
+                raise item
+            if item.finished:
+                running.discard(index)
+                metrics.observe_finished(item)
+            yield index, item
+    finally:
+        for task in pumps:  # cancelling a pump leaves engine.generate early: it aborts
+            task.cancel()
+        if running:
+            metrics.observe_aborted(len(running) * params.n)
+        # Only waits for the aborts to land: when this consumer is itself being cancelled
+        # (anyio cancels again at every await) the pumps still finish on their own.
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def collect_finals(outputs: AsyncIterator[tuple[int, RequestOutput]]
+                         ) -> dict[int, RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in outputs:
+        if output.finished:
+            finals[index] = output
+    return finals
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects first (then 499, as nginx logs).
+
+    The body is already read, so the next ASGI message is ``http.disconnect``; watching for it
+    is how a non-streaming request notices that nobody waits for its answer any more.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise APIError(499, "client closed the request")
+    return task.result()
+
+
+class DeltaTracker:
+    """What each streamed choice has sent so far, so that every chunk carries only news."""
+
+    def __init__(self) -> None:
+        self._sent: dict[tuple[int, int], tuple[int, int]] = {}  # -> (chars, tokens) sent
+        self._done: set[tuple[int, int]] = set()
+
+    def advance(self, prompt_index: int, choice: CompletionOutput) -> tuple[int, int] | None:
+        """(chars, tokens) sent before this output, or None when it holds nothing new."""
+        key = (prompt_index, choice.index)
+        if key in self._done:
+            return None
+        before = self._sent.get(key, (0, 0))
+        if not choice.finished and before == (len(choice.text), len(choice.token_ids)):
+            return None
+        if choice.finished:
+            self._done.add(key)
+        self._sent[key] = (len(choice.text), len(choice.token_ids))
+        return before

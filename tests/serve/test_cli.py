@@ -1,0 +1,134 @@
+"""``kiln serve`` as a real process: start-up, API keys from the environment, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from kiln.cli import main
+
+from .conftest import LONG_CONTEXT, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = ("sk-kiln-test-7f3a9c", "second-key-51b2")
+GRACE_S = 4.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Stream(threading.Thread):
+    """Reads one streaming completion on its own thread; records every data line."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.events: list[str] = []
+        self.started = threading.Event()
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        headers = {"Authorization": f"Bearer {KEYS[1]}"}
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body,
+                              headers=headers, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        self.started.set()
+        except httpx.HTTPError as exc:  # the server closing a stream it aborted
+            self.error = exc
+        self.started.set()
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] == "[DONE]"
+
+
+@pytest.fixture
+def serve_process(long_context_llama, tmp_path):
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    env = {**os.environ, "KILN_API_KEY": ",".join(KEYS), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "kiln.cli", "--log-level", "debug", "serve",
+               "--model", str(long_context_llama), "--served-model-name", "tiny",
+               "--dtype", "float32", "--device", "cpu", "--num-kv-blocks",
+               str(2 * LONG_CONTEXT // 16), "--port", str(port),
+               "--shutdown-timeout", str(GRACE_S)]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)
+    try:
+        yield process, f"http://127.0.0.1:{port}", log_path
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def health(url: str) -> int:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.TransportError:
+        return 0  # not listening (yet, or any more)
+
+
+def test_sigterm_drains_in_flight_aborts_the_rest_and_exits_0(serve_process):
+    process, url, log_path = serve_process
+    assert wait_until(lambda: health(url) == 200 or process.poll() is not None, timeout=90,
+                      interval=0.2), log_path.read_text()[-2000:]
+    assert process.poll() is None, log_path.read_text()[-2000:]
+
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+    ok = httpx.post(url + "/v1/completions", json=body,
+                    headers={"Authorization": f"Bearer {KEYS[0]}"})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+    stream = {"model": "tiny", "prompt": "hi", "stream": True, "ignore_eos": True,
+              "stream_options": {"include_usage": True}}
+    short = Stream(url, {**stream, "max_tokens": 100})
+    long = Stream(url, {**stream, "max_tokens": LONG_CONTEXT - 100})
+    for s in (long, short):
+        s.start()
+        assert s.started.wait(timeout=30)
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert wait_until(lambda: health(url) != 200, timeout=2)  # draining: 503, then closed
+
+    assert process.wait(timeout=GRACE_S + 20) == 0, log_path.read_text()[-2000:]
+    short.join(timeout=5)
+    long.join(timeout=5)
+    # the short stream was in flight and finished in the grace period, with every token
+    assert short.done, short.events[-3:]
+    assert json.loads(short.events[-2])["usage"]["completion_tokens"] == 100
+    # the long one was cut when the grace period ran out: no [DONE]
+    assert not long.done and len(long.events) < LONG_CONTEXT - 100
+    assert time.monotonic() - sent >= GRACE_S - 0.5
+
+    log = log_path.read_text()
+    for key in KEYS:
+        assert key not in log  # not at debug level, not in the access log, not on errors
+
+
+def test_bad_flags_fail_before_binding(long_context_llama):
+    port = free_port()
+    result = CliRunner().invoke(main, ["serve", "--model", str(long_context_llama),
+                                       "--max-num-seqs", "0", "--port", str(port)])
+    assert result.exit_code != 0
+    assert "max_num_seqs" in result.output
+    assert health(f"http://127.0.0.1:{port}") == 0  # never listened

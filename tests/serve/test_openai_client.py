@@ -1,0 +1,173 @@
+"""The official openai client, sync and async, streaming and not: answers equal kiln.LLM's."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from kiln import SamplingParams
+
+from .conftest import MODEL, assert_idle
+
+SEED, TEMPERATURE, MAX_TOKENS = 1234, 0.8, 6
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "def fibonacci(n):"}]
+
+
+def expected(llm, prompt, **overrides):
+    params = dict(seed=SEED, temperature=TEMPERATURE, max_tokens=MAX_TOKENS)
+    return llm.generate(prompt, SamplingParams(**{**params, **overrides}))
+
+
+def chat_prompt_ids(llm) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def async_client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_served_name(client, engine):
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.model_extra["max_model_len"] == engine.max_model_len
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sync_completion_matches_llm(client, reference_llm, engine, stream):
+    (want,) = expected(reference_llm, "The quick brown fox")
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=MAX_TOKENS, seed=SEED,
+                  temperature=TEMPERATURE)
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True,
+                                                stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == []
+    else:
+        result = client.completions.create(**kwargs)
+        text, finish, usage = result.choices[0].text, result.choices[0].finish_reason, result.usage
+    assert text == want.outputs[0].text
+    assert finish == want.outputs[0].finish_reason == "length"
+    assert usage.prompt_tokens == len(want.prompt_token_ids)
+    assert usage.completion_tokens == len(want.outputs[0].token_ids) == MAX_TOKENS
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sync_chat_matches_llm(client, reference_llm, stream):
+    (want,) = expected(reference_llm, chat_prompt_ids(reference_llm))
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_completion_tokens=MAX_TOKENS, seed=SEED,
+                  temperature=TEMPERATURE)
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+    else:
+        result = client.chat.completions.create(**kwargs)
+        assert result.choices[0].message.role == "assistant"
+        text, usage = result.choices[0].message.content, result.usage
+    assert text == want.outputs[0].text
+    assert usage.prompt_tokens == len(want.prompt_token_ids)
+    assert usage.completion_tokens == MAX_TOKENS
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_async_completion_many_prompts_and_samples(async_client, reference_llm, engine,
+                                                         stream):
+    prompts = ["Unicode: café", "def fib"]
+    want = expected(reference_llm, prompts, n=2)
+    kwargs = dict(model=MODEL, prompt=prompts, n=2, max_tokens=MAX_TOKENS, seed=SEED,
+                  temperature=TEMPERATURE)
+    texts: dict[int, str] = {}
+    if stream:
+        stream_ = await async_client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True})
+        async for chunk in stream_:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+            usage = chunk.usage
+    else:
+        result = await async_client.completions.create(**kwargs)
+        texts = {c.index: c.text for c in result.choices}
+        usage = result.usage
+    # choice index = prompt index * n + sample index, as OpenAI numbers them
+    assert texts == {2 * p + s: want[p].outputs[s].text for p in range(2) for s in range(2)}
+    assert usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert usage.completion_tokens == 4 * MAX_TOKENS
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_async_chat_matches_llm(async_client, reference_llm, stream):
+    (want,) = expected(reference_llm, chat_prompt_ids(reference_llm), temperature=0.0)
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0)
+    if stream:
+        parts = [c.choices[0].delta.content or "" async for c in
+                 await async_client.chat.completions.create(**kwargs, stream=True) if c.choices]
+        text = "".join(parts)
+    else:
+        text = (await async_client.chat.completions.create(**kwargs)).choices[0].message.content
+    assert text == want.outputs[0].text
+
+
+def test_token_id_prompt_and_logprobs(client, reference_llm):
+    ids = reference_llm.tokenizer.encode("The lazy dog")
+    (want,) = expected(reference_llm, ids, temperature=0.0, logprobs=2)
+    result = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS,
+                                       temperature=0.0, logprobs=2)
+    choice = result.choices[0]
+    assert choice.text == want.outputs[0].text
+    assert len(choice.logprobs.tokens) == MAX_TOKENS
+    for token_id, entry, logprob in zip(want.outputs[0].token_ids, want.outputs[0].logprobs,
+                                        choice.logprobs.token_logprobs, strict=True):
+        assert logprob == pytest.approx(entry[token_id], abs=1e-5)
+    assert all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+
+
+def test_chat_top_logprobs(client, reference_llm):
+    (want,) = expected(reference_llm, chat_prompt_ids(reference_llm), temperature=0.0,
+                       logprobs=3)
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0.0,
+                                            max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=3)
+    content = result.choices[0].logprobs.content
+    assert len(content) == MAX_TOKENS
+    for item, token_id, entry in zip(content, want.outputs[0].token_ids, want.outputs[0].logprobs,
+                                     strict=True):
+        assert item.logprob == pytest.approx(entry[token_id], abs=1e-5)
+        assert len(item.top_logprobs) == 3
+        best = sorted(entry.values(), reverse=True)[:3]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(best, abs=1e-5)
+
+
+def test_stop_string_ends_the_text_before_it(client, reference_llm):
+    (free,) = expected(reference_llm, "The quick", temperature=0.0, max_tokens=12)
+    text = free.outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), "the greedy text is too short to pick a stop string from"
+    result = client.completions.create(model=MODEL, prompt="The quick", max_tokens=12,
+                                       temperature=0.0, stop=[stop])
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == text[:text.index(stop)]
+    assert choice.model_extra["stop_reason"] == stop
+
+
+def test_vllm_benchmark_extensions_are_honoured(client):
+    result = client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=7, temperature=0.7,
+        extra_body={"ignore_eos": True, "min_tokens": 7, "top_k": 5, "min_p": 0.01,
+                    "repetition_penalty": 1.1}, presence_penalty=0.5, frequency_penalty=0.5,
+        top_p=0.9, user="someone")
+    assert result.usage.completion_tokens == 7
+    assert result.choices[0].finish_reason == "length"
