@@ -39,7 +39,8 @@ class LLMEngine:
         mc = config.model
         self.loaded = loaded or load_model(
             mc.model, dtype=mc.dtype, device=mc.device, load_format=mc.load_format,
-            revision=mc.revision, max_model_len=mc.max_model_len, seed=mc.seed)
+            revision=mc.revision, max_model_len=mc.max_model_len, seed=mc.seed,
+            quantization=mc.quantization)
         arch = self.loaded.arch
         self.max_model_len = resolve_max_model_len(mc.max_model_len, arch)
         self.backend = attention_backend_for(config.attention_backend, self.loaded.device,
