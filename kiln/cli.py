@@ -13,7 +13,39 @@ from kiln.cli_options import engine_options
 DEFAULT_MODEL = "kiln-tiny"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _load(module: str, attr: str) -> click.Command:
+    import importlib
+
+    import typer
+
+    command = getattr(importlib.import_module(module), attr)
+    return typer.main.get_command(command) if isinstance(command, typer.Typer) else command
+
+
+class LazyGroup(click.Group):
+    """Imports a subcommand's module only when that subcommand runs (or help lists it), so
+    `kiln bench` needs no web-server packages and `kiln generate` starts fast."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *SUBCOMMANDS])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in SUBCOMMANDS:
+            return _load(*SUBCOMMANDS[name])
+        return super().get_command(ctx, name)
+
+
+# command name -> (module, attribute): click commands/groups or typer apps of each package
+SUBCOMMANDS = {
+    "zoo": ("kiln.zoo.cli", "zoo_app"),
+    "eval": ("kiln.eval", "eval_app"),
+    "serve": ("kiln.serve.cli", "serve_command"),
+    "bench": ("kiln.bench.cli", "bench_group"),
+    "profile": ("kiln.profile.cli", "profile_command"),
+    "quantize": ("kiln.quant.cli", "quantize_cmd"),
+}
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kiln")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -61,28 +93,6 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
             sys.stdout.flush()
     click.echo()
 
-
-# (module, attribute, command name): click commands/groups or typer apps defined by each package
-SUBCOMMANDS = (
-    ("kiln.zoo.cli", "zoo_app", "zoo"),
-    ("kiln.serve.cli", "serve_command", "serve"),
-    ("kiln.bench.cli", "bench_group", "bench"), ("kiln.profile.cli", "profile_command", "profile"),
-)
-
-
-def _mount_subcommands() -> None:
-    import importlib
-
-    import typer
-
-    for module, attr, name in SUBCOMMANDS:
-        command = getattr(importlib.import_module(module), attr)
-        if isinstance(command, typer.Typer):
-            command = typer.main.get_command(command)
-        main.add_command(command, name)
-
-
-_mount_subcommands()
 
 if __name__ == "__main__":
     main()

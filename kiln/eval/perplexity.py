@@ -47,17 +47,23 @@ class AgreementResult:
 
 def sliding_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
     """(begin, end, first_target) per window: the window is ids[begin:end] and it scores the
-    targets ids[first_target:end], each predicted from the logits one position earlier."""
-    if window < 2 or not 1 <= stride <= window:
-        raise ValueError(f"need window >= 2 and 1 <= stride <= window; got {window}, {stride}")
+    targets ids[first_target:end], each predicted from the logits one position earlier.
+
+    The first window scores everything it can (targets 1..window-1); each later one scores the
+    next `stride` targets and reaches back `window` tokens from its last. `stride` is capped at
+    window - 1 so that a window's first target still has its predecessor inside the window.
+    """
+    if window < 2 or stride < 1:
+        raise ValueError(f"need window >= 2 and stride >= 1; got window={window}, stride={stride}")
     if num_tokens < 2:
         raise ValueError(f"need at least 2 tokens to score; got {num_tokens}")
-    spans, scored_until, begin = [], 1, 0
-    while scored_until < num_tokens:
-        end = min(begin + window, num_tokens)
-        spans.append((begin, end, scored_until))
-        scored_until = end
-        begin += stride
+    stride = min(stride, window - 1)
+    spans, first = [], 1
+    while first < num_tokens:
+        end = min(first + stride if spans else window, num_tokens)
+        begin = max(0, end - window)
+        spans.append((begin, end, first))
+        first = end
     return spans
 
 
@@ -185,3 +191,7 @@ def agree_cmd(
     result = greedy_agreement(kiln_logits_fn(target), kiln_logits_fn(small), ids, window)
     typer.echo(f"positions: {result.num_positions}")
     typer.echo(f"greedy agreement: {result.fraction:.4f}")
+
+
+if __name__ == "__main__":
+    eval_app()

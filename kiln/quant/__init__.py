@@ -10,8 +10,13 @@ Module map: ``config`` (QuantConfig) -> ``rtn`` / ``w8a8`` (grids, W8A8 GEMM) ->
 from kiln.quant.calibration import calibration_ids
 from kiln.quant.checkpoint import read_quant_config, save_quantized, setup_quantization
 from kiln.quant.config import ON_THE_FLY, QuantConfig, on_the_fly_config
-from kiln.quant.kv_cache import (attention_scales, dequantize_kv, kv_cache_torch_dtype,
-                                 quantize_kv, set_kv_scales)
+from kiln.quant.kv_cache import (
+    attention_scales,
+    dequantize_kv,
+    kv_cache_torch_dtype,
+    quantize_kv,
+    set_kv_scales,
+)
 from kiln.quant.methods import W8A8Method, WeightOnlyMethod, install_methods
 from kiln.quant.observers import make_observer
 from kiln.quant.quantize import model_size_bytes, quantize_model

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +73,13 @@ class LinearStats:
     abs_max: torch.Tensor | None = None  # [K]
     abs_sum: torch.Tensor | None = None  # [K]
     xtx: torch.Tensor | None = None  # [K, K] float32
-    rows: list[torch.Tensor] = field(default_factory=list)
+    rows: torch.Tensor | None = None  # [<= num_samples, K] uniform sample of all rows seen
+    row_keys: torch.Tensor | None = None
     num_rows: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._gen = torch.Generator().manual_seed(self.seed)  # reproducible row sample
 
     def update(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
@@ -89,7 +94,14 @@ class LinearStats:
             h = x.t() @ x
             self.xtx = h if self.xtx is None else self.xtx + h
         if self.num_samples:
-            self.rows.append(x[torch.randperm(x.shape[0], device=x.device)[: self.num_samples]])
+            # keep the rows with the smallest random keys: a uniform sample in bounded memory
+            keys = torch.rand(x.shape[0], generator=self._gen).to(x.device)
+            if self.rows is not None:
+                keys, x_all = torch.cat([self.row_keys, keys]), torch.cat([self.rows, x])
+            else:
+                x_all = x
+            keep = keys.argsort()[: self.num_samples]
+            self.row_keys, self.rows = keys[keep], x_all[keep]
         if self.observer is not None:
             self.observer.update(x if self.transform is None else x * self.transform)
         self.num_rows += x.shape[0]
@@ -103,10 +115,9 @@ class LinearStats:
         """H = 2 X^T X / n (GPTQ's Hessian of the layer's squared output error)."""
         return 2 * self.xtx / max(self.num_rows, 1)
 
-    def sample(self, seed: int = 0) -> torch.Tensor:
-        rows = torch.cat(self.rows)
-        gen = torch.Generator().manual_seed(seed)
-        return rows[torch.randperm(rows.shape[0], generator=gen)[: self.num_samples]]
+    def sample(self) -> torch.Tensor:
+        """Up to ``num_samples`` input rows drawn uniformly from all calibration tokens."""
+        return self.rows
 
 
 def run_batches(model: nn.Module, ids: torch.Tensor, batch_size: int) -> None:

@@ -87,7 +87,8 @@ class QuantConfig:
         if self.scheme == "wint":
             group = "channel" if self.group_size == -1 else f"g{self.group_size}"
             kind = "sym" if self.symmetric else "asym"
-            return f"W{self.bits}A16 {group} {kind} ({self.method})"
+            order = ", act-order" if self.act_order else ""
+            return f"W{self.bits}A16 {group} {kind} ({self.method}{order})"
         return (f"{self.w8a8_dtype.upper()} W8A8 {self.weight_granularity}/"
                 f"{self.activation_scheme} ({self.method})")
 

@@ -6,7 +6,7 @@ Scales come from calibration (``kiln quantize`` stores max|k| / 448 per layer in
 config) or default to 1.0 (K and V of RMS-normed models rarely exceed +-448). Attention never
 needs a dequantized cache: a scale on K multiplies every score and a scale on V every output,
 
-    softmax(q . (c_k k_scale) * sm_scale) (c_v v_scale) = softmax(q . c_k * (sm_scale k_scale)) c_v * v_scale
+    softmax(sm q . (c_k k_scale)) (c_v v_scale) = softmax((sm k_scale) q . c_k) c_v * v_scale
 
 so a kernel casts fp8 tiles to the query dtype, runs with ``sm_scale * k_scale`` and multiplies
 its output by ``v_scale`` (``attention_scales``).

@@ -37,7 +37,7 @@ def _set(layer: Linear, tensors: dict[str, torch.Tensor | None]) -> None:
         layer.register_buffer(name, tensor)
 
 
-def _check(layer: Linear, what: str, tensors: dict[str, torch.Tensor],
+def _check(what: str, tensors: dict[str, torch.Tensor],
            spec: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]) -> None:
     missing = sorted(set(spec) - set(tensors))
     unknown = sorted(set(tensors) - set(spec))
@@ -78,7 +78,7 @@ class WeightOnlyMethod:
         self.set_tensors(layer, {k: v for k, v in tensors.items() if v is not None}, "layer")
 
     def set_tensors(self, layer: Linear, tensors: dict[str, torch.Tensor], what: str) -> None:
-        _check(layer, what, tensors, self.tensor_spec(layer))
+        _check(what, tensors, self.tensor_spec(layer))
         _set(layer, {
             "qweight": tensors["qweight"],
             "scales": tensors["scales"].to(layer.params_dtype),
@@ -126,7 +126,7 @@ class W8A8Method:
         return spec
 
     def set_tensors(self, layer: Linear, tensors: dict[str, torch.Tensor], what: str) -> None:
-        _check(layer, what, tensors, self.tensor_spec(layer))
+        _check(what, tensors, self.tensor_spec(layer))
         if self.kind == "fp8":
             check_fp8_supported(layer.params_device)
         _set(layer, {

@@ -82,7 +82,9 @@ class EntropyObserver(HistogramObserver):
         if last <= self.num_levels:
             return self.max
         best_kl, best_i = np.inf, last
-        for i in range(self.num_levels, last + 1):
+        # TensorRT tries every bin; a stride keeping ~256 candidates loses < 0.5% of the range
+        stride = max(1, (last - self.num_levels) // 256)
+        for i in range(self.num_levels, last + 1, stride):
             p = hist[:i].copy()
             p[i - 1] += hist[i:].sum()  # clipped values pile up in the last bin
             nonzero = hist[:i] > 0

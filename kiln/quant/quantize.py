@@ -33,13 +33,22 @@ def needs_calibration(cfg: QuantConfig) -> bool:
         cfg.scheme == "w8a8" and cfg.activation_scheme == "static")
 
 
+def collect_stats(model: nn.Module, ids: torch.Tensor, batch_size: int = 4
+                  ) -> dict[str, LinearStats]:
+    """Every statistic AWQ, GPTQ and SmoothQuant use, in one pass (to share between runs)."""
+    return collect_linear_stats(model, ids, lambda _name: LinearStats(
+        channel_max=True, channel_mean=True, hessian=True, num_samples=AWQ_ROWS), batch_size)
+
+
 def quantize_model(model: nn.Module, cfg: QuantConfig, ids: torch.Tensor | None = None,
-                   batch_size: int = 4) -> QuantConfig:
+                   batch_size: int = 4, kv_scales: bool = True,
+                   stats: dict[str, LinearStats] | None = None) -> QuantConfig:
     """Quantize every Linear of ``model`` (dense weights loaded) as ``cfg`` says.
 
     ``ids`` [num_samples, seq_len] are the calibration tokens; they are required by AWQ, GPTQ,
-    SmoothQuant and static activation scales, and when given also set the FP8 KV-cache scales.
-    Returns ``cfg`` with ``kv_cache_scales`` filled in.
+    SmoothQuant and static activation scales, and when given (and ``kv_scales``) also set the
+    FP8 KV-cache scales. ``stats`` from ``collect_stats`` on the same dense model and ids
+    skip the statistics pass. Returns ``cfg`` with ``kv_cache_scales`` filled in.
     """
     layers = quantized_linears(model)
     for name, layer in layers:
@@ -47,13 +56,13 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, ids: torch.Tensor | None 
     if needs_calibration(cfg) and ids is None:
         raise ValueError(f"method={cfg.method!r} (activations {cfg.activation_scheme}) needs "
                          "calibration data")
-    stats: dict[str, LinearStats] = {}
-    if cfg.method in ("awq", "gptq", "smoothquant"):
+    if stats is None and cfg.method in ("awq", "gptq", "smoothquant"):
         def make(_name: str) -> LinearStats:
             return LinearStats(channel_max=cfg.method == "smoothquant",
                                channel_mean=cfg.method == "awq", hessian=cfg.method == "gptq",
                                num_samples=AWQ_ROWS if cfg.method == "awq" else 0)
         stats = collect_linear_stats(model, ids, make, batch_size)
+    stats = stats or {}
     smooth: dict[str, torch.Tensor] = {}
     if cfg.method == "smoothquant":
         for name, layer in layers:
@@ -89,7 +98,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, ids: torch.Tensor | None 
                          if name in act_amax else None)
             method.quantize_dense(layer, w if sm is None else w / sm, sm, act_scale)
         log.info("quantized %s (%s)", name, cfg.name)
-    if ids is not None:
+    if ids is not None and kv_scales:
         amax = collect_kv_amax(model, ids, batch_size)
         cfg.kv_cache_scales = [[max(k, 1e-6) / FP8_MAX, max(v, 1e-6) / FP8_MAX] for k, v in amax]
         set_kv_scales(model, cfg.kv_cache_scales)

@@ -1,6 +1,6 @@
 """Integer weight grids: group-wise scales / zero points, round-to-nearest, int4 packing.
 
-    symmetric:  s = clip * max|w_g| / (2^(b-1) - 1),  z = 2^(b-1)
+    symmetric:  s = clip * max|w_g| / (2^(b-1) - 1/2),  z = 2^(b-1)
     asymmetric: s = clip * (max(w_g, 0) - min(w_g, 0)) / (2^b - 1),  z = round(-clip min / s)
     u = clamp(round(w / s) + z, 0, 2^b - 1),   w_hat = (u - z) s
 
@@ -39,7 +39,7 @@ class IntWeight:
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [N, K] in [0, 15] -> int32 [N, K / 8], code k at bits 4 (k % 8) of word k // 8."""
+    """uint8 codes [N, K] in [0, 15] -> int32 [N, K / 8]; code k at bits 4 (k % 8) of word k / 8."""
     n, k = codes.shape
     if k % 8:
         raise ValueError(f"int4 packing needs K divisible by 8, got K={k}")
@@ -69,7 +69,9 @@ def int_qparams(w: torch.Tensor, bits: int, group_size: int, symmetric: bool,
     wg = _grouped(w.float(), group_size)
     if symmetric:
         amax = wg.abs().amax(-1) * clip
-        scales = amax.clamp_min(MIN_SCALE) / (2 ** (bits - 1) - 1)
+        # all 2^b codes in use: -amax lands on code 0, +amax half a step above the top code
+        # (clamped to it), so the step is 1/15 instead of 1/14 of the range at 4 bits
+        scales = amax.clamp_min(MIN_SCALE) / (2 ** (bits - 1) - 0.5)
         return scales.to(scale_dtype).float(), None
     wmax = wg.amax(-1).clamp_min(0) * clip
     wmin = wg.amin(-1).clamp_max(0) * clip

@@ -49,10 +49,7 @@ def _quant_per_token_kernel(
         if HAS_SMOOTH:
             x *= tl.load(smooth_ptr + k0 + offs, mask=mask, other=0.0)
         v = tl.minimum(tl.maximum(x / scale, -QMAX_), QMAX_)
-        if IS_FP8:
-            q = v.to(q_ptr.dtype.element_ty)
-        else:
-            q = tl.floor(v + 0.5).to(tl.int8)
+        q = v.to(q_ptr.dtype.element_ty) if IS_FP8 else tl.floor(v + 0.5).to(tl.int8)
         tl.store(q_ptr + row * stride_q + k0 + offs, q, mask=mask)
 
 

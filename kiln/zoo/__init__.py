@@ -22,8 +22,8 @@ class ZooModel:
 ZOO_MODELS: dict[str, ZooModel] = {
     m.name: m
     for m in (
-        ZooModel("kiln-tiny", "tiny", "~16M-parameter Llama, 1024-token context; default model"),
-        ZooModel("kiln-tiny-draft", "draft", "~2M-parameter Llama draft for kiln-tiny"),
+        ZooModel("kiln-tiny", "tiny", "15.7M-parameter Llama, 1024-token context; default model"),
+        ZooModel("kiln-tiny-draft", "draft", "1.8M-parameter Llama, draft model for kiln-tiny"),
     )
 }
 DEFAULT_MODEL = "kiln-tiny"

@@ -47,22 +47,25 @@ def train_cmd(
 
     if steps is not None and budget_s is not None:
         raise typer.BadParameter("give --steps or --budget-s, not both")
-    cfg = TrainConfig(
-        size=size,
-        out_dir=out,
-        steps=steps,
-        batch_size=batch_size,
-        lr=lr,
-        seed=seed,
-        log_every=log_every,
-        eval_every=eval_every,
-        checkpoint_every=checkpoint_every,
-        stop_at=stop_at,
-        max_files=max_files,
-        corpus_root=corpus_root,
-        tokenizer_dir=tokenizer or DEFAULT_TOKENIZER_DIR,
-        device=device,
-    )
+    try:
+        cfg = TrainConfig(
+            size=size,
+            out_dir=out,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            log_every=log_every,
+            eval_every=eval_every,
+            checkpoint_every=checkpoint_every,
+            stop_at=stop_at,
+            max_files=max_files,
+            corpus_root=corpus_root,
+            tokenizer_dir=tokenizer or DEFAULT_TOKENIZER_DIR,
+            device=device,
+        )
+    except ValueError as exc:  # settings errors name the field and the valid range
+        raise typer.BadParameter(str(exc)) from None
     run_training(cfg, budget_s=budget_s, log=typer.echo)
 
 

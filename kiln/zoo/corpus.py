@@ -9,6 +9,7 @@ same side on every machine and every Python version that ships it.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -57,13 +58,17 @@ def list_files(root: Path | None = None, split: Split = "all") -> list[str]:
     if not root.is_dir():
         raise FileNotFoundError(f"corpus root {root} is not a directory")
     paths = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if _EXCLUDED_DIRS.intersection(rel.parts[:-1]) or not path.is_file():
-            continue
-        rel_path = rel.as_posix()
-        if split == "all" or is_heldout(rel_path) == (split == "heldout"):
-            paths.append(rel_path)
+    # os.walk with pruning: site-packages under the stdlib can hold far more files than the
+    # stdlib itself, and walking it only to discard it would dominate the listing time.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        rel_dir = Path(dirpath).relative_to(root)
+        for name in filenames:
+            if not name.endswith(".py"):
+                continue
+            rel_path = (rel_dir / name).as_posix()
+            if split == "all" or is_heldout(rel_path) == (split == "heldout"):
+                paths.append(rel_path)
     return sorted(paths)
 
 

@@ -47,8 +47,8 @@ class ModelSize:
 
 SIZES: dict[str, ModelSize] = {
     # head_dim 64 for both real models: the size Kiln's attention kernels are tuned for.
-    "tiny": ModelSize(384, 1024, 8, 6, 2, 1024, batch_size=32, lr=1.5e-3, steps=2000),
-    "draft": ModelSize(128, 384, 4, 2, 1, 1024, batch_size=32, lr=3e-3, steps=2000),
+    "tiny": ModelSize(384, 1024, 8, 6, 2, 1024, batch_size=32, lr=1.5e-3, steps=2200),
+    "draft": ModelSize(128, 384, 4, 2, 1, 1024, batch_size=32, lr=3e-3, steps=4187),
     # CPU smoke-test size: trains in seconds, used by the tests.
     "micro": ModelSize(32, 64, 2, 2, 1, 64, batch_size=8, lr=3e-3, steps=40),
 }

@@ -52,9 +52,9 @@ def test_asymmetric_beats_symmetric_on_shifted_weights():
 
 
 def test_codes_use_the_given_grid():
-    w = torch.tensor([[0.0, 0.1, -0.7, 0.69, 0.36, -0.34, 0.2, 0.05]])
+    w = torch.tensor([[0.0, 0.1, -0.71, 0.75, 0.36, -0.34, 0.2, 0.05]])
     scales, zeros = int_qparams(w, 4, -1, True)
-    assert zeros is None and scales.item() == pytest.approx(0.1)
+    assert zeros is None and scales.item() == pytest.approx(0.1)  # 0.75 / 7.5: all 16 codes
     assert quantize_codes(w, scales, zeros, 4, -1).tolist() == [[8, 9, 1, 15, 12, 5, 10, 8]]
 
 

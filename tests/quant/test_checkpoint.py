@@ -1,0 +1,125 @@
+"""quantize -> save -> load gives identical outputs; on-the-fly quantization at load; errors."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kiln.layers.attention import Attention
+from kiln.models.loader import load_model
+from kiln.quant import QuantConfig, calibration_ids, quantize_model, save_quantized
+from kiln.quant.cli import quantize_cmd
+from kiln.quant.config import CONFIG_FILE
+
+TEXT = ("import os\n\ndef walk(top):\n    for name in os.listdir(top):\n        yield name\n"
+        "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n") * 20
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def logits(loaded, seed=0):
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(seed))
+    return loaded.model.full_logits(ids)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+CONFIGS = [
+    dict(method="awq", bits=4, group_size=32),
+    dict(method="gptq", bits=4, group_size=32, symmetric=False, act_order=True),
+    dict(method="rtn", bits=8, group_size=-1),
+    dict(method="fp8", scheme="w8a8", weight_granularity="tensor"),
+    dict(method="smoothquant", scheme="w8a8", w8a8_dtype="int8", activation_scheme="static",
+         observer="entropy"),
+]
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS, ids=lambda k: k["method"])
+def test_quantize_save_load_round_trip(tiny_llama, calib_file, tmp_path, kwargs):
+    dense = load_model(str(tiny_llama), device="cpu")
+    reference = logits(dense)
+    cfg = QuantConfig(**kwargs)
+    ids = calibration_ids(dense.tokenizer, str(calib_file), num_samples=4, seq_len=32)
+    assert ids.shape == (4, 32)
+    quantize_model(dense.model, cfg, ids)
+    quantized = logits(dense)
+    assert 0 < rel(quantized, reference) < 0.2  # really quantized, still the same model
+    save_quantized(dense.model, cfg, tmp_path / "q", tiny_llama)
+    loaded = load_model(str(tmp_path / "q"), device="cpu")
+    assert torch.equal(logits(loaded), quantized)
+    assert torch.equal(logits(loaded, seed=1), logits(dense, seed=1))
+    saved = json.loads((tmp_path / "q" / CONFIG_FILE).read_text())
+    assert saved["method"] == cfg.method and len(saved["kv_cache_scales"]) == 2
+    attn = [m for m in loaded.model.modules() if isinstance(m, Attention)]
+    assert [a.k_scale for a in attn] == [s[0] for s in saved["kv_cache_scales"]]
+    assert loaded.tokenizer is not None
+
+
+@pytest.mark.parametrize("name,bound", [("int8", 0.02), ("fp8", 0.1), ("fp8-tensor", 0.1),
+                                        ("w8a8-int8", 0.05)])
+def test_on_the_fly_quantization(tiny_llama, name, bound):
+    reference = logits(load_model(str(tiny_llama), device="cpu"))
+    loaded = load_model(str(tiny_llama), device="cpu", quantization=name)
+    layer = loaded.model.layers[0].mlp.down_proj
+    assert "weight" not in dict(layer.named_parameters()) and layer.qweight.dtype != torch.float32
+    assert 0 < rel(logits(loaded), reference) < bound
+
+
+def test_load_errors(tiny_llama, tmp_path):
+    # kiln-tiny's hidden size 64 is not a multiple of int4's default group of 128
+    with pytest.raises(ValueError, match="group_size=128 does not divide in_features=64"):
+        load_model(str(tiny_llama), device="cpu", quantization="int4")
+    with pytest.raises(ValueError, match="quantization='nf4' is not supported"):
+        load_model(str(tiny_llama), device="cpu", quantization="nf4")
+    dense = load_model(str(tiny_llama), device="cpu")
+    cfg = quantize_model(dense.model, QuantConfig(method="rtn", group_size=32))
+    out = save_quantized(dense.model, cfg, tmp_path / "q", tiny_llama)
+    with pytest.raises(ValueError, match="already quantized .*drop quantization='fp8'"):
+        load_model(str(out), device="cpu", quantization="fp8")
+    with pytest.raises(ValueError, match="load_format='dummy' does not apply"):
+        load_model(str(out), device="cpu", load_format="dummy")
+    # a checkpoint quantized by another tool is refused, not misread
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (hf / "config.json").write_text(json.dumps(config))
+    (hf / "model.safetensors").write_bytes((tiny_llama / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="quantized by another tool \\(quant_method='awq'\\)"):
+        load_model(str(hf), device="cpu")
+
+
+def test_calibration_errors(tiny_llama, tmp_path):
+    dense = load_model(str(tiny_llama), device="cpu")
+    with pytest.raises(ValueError, match="needs calibration data"):
+        quantize_model(dense.model, QuantConfig(method="gptq", group_size=32))
+    with pytest.raises(ValueError, match="neither a text file nor one of zoo-train"):
+        calibration_ids(dense.tokenizer, str(tmp_path / "missing.txt"), 2, 16)
+    short = tmp_path / "short.txt"
+    short.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="seq_len 64 needs more"):
+        calibration_ids(dense.tokenizer, str(short), 2, 64)
+
+
+def test_cli_quantize_then_load(tiny_llama, calib_file, tmp_path):
+    out = tmp_path / "cli-q"
+    result = CliRunner().invoke(quantize_cmd, [
+        "--model", str(tiny_llama), "--method", "gptq", "--group-size", "32",
+        "--calibration", str(calib_file), "--num-samples", "2", "--seq-len", "32",
+        "--out", str(out), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "W4A16 g32 sym (gptq)" in result.output and (out / "model.safetensors").is_file()
+    loaded = load_model(str(out), device="cpu")
+    assert loaded.model.layers[1].self_attn.qkv_proj.qweight.dtype == torch.int32
+    bad = CliRunner().invoke(quantize_cmd, ["--model", str(tiny_llama), "--method", "rtn",
+                                            "--bits", "8", "--group-size", "32", "--out",
+                                            str(tmp_path / "x"), "--device", "cpu"])
+    assert bad.exit_code != 0 and "per output channel" in bad.output
