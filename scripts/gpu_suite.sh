@@ -6,6 +6,10 @@
 # Run from the repository root; kiln is used from the tree (PYTHONPATH=.), nothing is installed.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+if [ -d .whl ]; then  # the device has no network: the server/CLI/test packages travel as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+fi
 export KILN_GIT_COMMIT=${KILN_GIT_COMMIT:-$(cat .git-commit 2>/dev/null || echo unknown)}
 OUT=${OUT:-out/gpu}
 R=$OUT/suite
