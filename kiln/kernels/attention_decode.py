@@ -25,7 +25,9 @@ DECODE_CONFIG = (128, 4, 2)
 MIN_PARTITION_LEN = 256  # shorter partitions cost more in the reduction than they win in overlap
 
 
-@triton.jit
+# these ints change with batch and context length: no per-value specialization, so a new step
+# shape never triggers a compile while serving
+@triton.jit(do_not_specialize=["stride_bt", "partition_len", "num_splits"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
@@ -86,7 +88,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_len", "num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
     stride_ot, stride_oh, partition_len, num_heads, num_splits,

@@ -73,7 +73,9 @@ def _attn_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# stride_bt is the block-table width, which changes from step to step: specializing on it (Triton
+# does for ints divisible by 16 or equal to 1) would compile a new variant mid-serving
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
