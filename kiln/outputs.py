@@ -1,4 +1,4 @@
-"""What generation returns: one ``RequestOutput`` per prompt, one ``CompletionOutput`` per sample."""
+"""What generation returns: a ``RequestOutput`` per prompt, a ``CompletionOutput`` per sample."""
 
 from __future__ import annotations
 

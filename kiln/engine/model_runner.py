@@ -86,20 +86,29 @@ class ModelRunner:
         slots = (table_np[seq_rows, positions // self.block_size].astype(np.int64)
                  * self.block_size + positions % self.block_size)
         seq_lens = starts_np + lens_np
-        to = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
-            self.device, dtype=dtype, non_blocking=True)
+        meta = self._metadata(slots, cu, seq_lens, table_np, lens_np)
         # callers order single-token sequences first (see execute)
         num_decode = int(np.argmax(lens_np != 1)) if (lens_np != 1).any() else len(lens_np)
-        split = self.backend == "triton" and 0 < num_decode < len(lens_np)
-        meta = AttentionMetadata(
-            slot_mapping=to(slots, torch.int64), cu_seqlens_q=to(cu, torch.int32),
-            seq_lens=to(seq_lens, torch.int32), block_tables=to(table_np, torch.int32),
-            max_seqlen_q=int(lens_np.max()), max_seqlen_k=int(seq_lens.max()),
-            kv_caches=self.kv_caches, backend=self.backend,
-            num_decode_seqs=num_decode if split else 0,
-            prefill_cu_seqlens_q=to(cu[num_decode:] - cu[num_decode], torch.int32)
-            if split else None)
-        return BatchInputs(to(np.array(tokens), torch.int64), to(positions, torch.int64), meta)
+        if self.backend == "triton" and 0 < num_decode < len(lens_np):
+            meta.num_decode_seqs = num_decode
+            meta.prefill = self._metadata(None, cu[num_decode:] - cu[num_decode],
+                                          seq_lens[num_decode:], table_np[num_decode:],
+                                          lens_np[num_decode:])
+        return BatchInputs(self._to_device(np.array(tokens), torch.int64),
+                           self._to_device(positions, torch.int64), meta)
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype=dtype,
+                                                               non_blocking=True)
+
+    def _metadata(self, slots: np.ndarray | None, cu: np.ndarray, seq_lens: np.ndarray,
+                  table: np.ndarray, lens: np.ndarray) -> AttentionMetadata:
+        to = self._to_device
+        return AttentionMetadata(
+            slot_mapping=to(slots, torch.int64) if slots is not None else None,
+            cu_seqlens_q=to(cu, torch.int32), seq_lens=to(seq_lens, torch.int32),
+            block_tables=to(table, torch.int32), max_seqlen_q=int(lens.max()),
+            max_seqlen_k=int(seq_lens.max()), kv_caches=self.kv_caches, backend=self.backend)
 
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
         """In the order the cache manager requires: swap out, copy-on-write, swap in."""

@@ -25,6 +25,8 @@ from kiln.kernels._triton import next_power_of_2, num_sms, tl, triton, use_trito
 FP8_DTYPE = torch.float8_e4m3fn
 # above this many rows dequantize-then-cuBLAS beats the fused kernel (benchmarks/gpu_quant.py)
 FUSED_MAX_M = {4: 128, 8: 64}
+SMALL_M = 16  # up to this many rows: the word-streaming kernels (_wq_gemv_*), decode batches
+GEMV_FMA_MAX_M = 1  # ... of which up to this many on CUDA-core FMAs, above on tensor cores
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,24 @@ class GemmConfig:
     split_k: int = 1  # > 1: partial sums added atomically into a float32 output
     num_warps: int = 4
     num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """The small-M path (M <= SMALL_M): packed weights streamed as int32 words, see below.
+
+    A program owns ``block_n`` output rows and (split_k > 1: a 1/split_k share of) K, walked in
+    tiles of ``block_kw`` int32 words per row. ``mma``: tensor cores (tl.dot, M padded to 16)
+    instead of CUDA-core FMAs; ``block_m`` >= M (the FMA kernel keeps block_m accumulators).
+    """
+
+    block_m: int
+    block_n: int
+    block_kw: int
+    split_k: int = 1
+    num_warps: int = 4
+    mma: bool = False
+    num_stages: int = 1
 
 
 @triton.jit
@@ -108,6 +128,233 @@ def _wint_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+# ---- M <= SMALL_M: weight streaming over int32 words (the decode path) --------------------------
+#
+# The packed weight is read as int32 words: a word holds 8 int4 codes or 4 int8 / FP8 codes of
+# consecutive input channels (k = PER_WORD w + j for code j of word w). A tile is [BLOCK_N rows,
+# BLOCK_KW words]; each thread loads 16-byte vectors of consecutive words of a row (coalesced),
+# then, for each code position j, decodes the j-th code of every word of the tile in registers
+# and multiplies it by x[:, PER_WORD w + j]: no reshapes, no shared memory. Integer codes are
+# decoded with one shift and one and/or into the float 1 + u / 2^BITS (u's bits placed in the
+# top mantissa bits of 1.0), so
+#     sum_k (u_k - z) s x_k = s (2^BITS sum_k f_k x_k - (2^BITS + z) sum_k x_k),
+# with sum_k x_k shared by all rows: per code a shift, an and/or and one FMA. Group-wise scales
+# are applied to per-group partial sums once per tile.
+
+
+@triton.jit
+def _decode(words, j: tl.constexpr, BITS: tl.constexpr, W_FP8: tl.constexpr):
+    """Code j of int32 words as float32: FP8 codes -> their value, integer u -> 1 + u / 2^BITS."""
+    if W_FP8:
+        byte = ((words >> (8 * j)) & 0xFF).to(tl.int8)
+        return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    # move code bits [BITS j, BITS (j + 1)) to mantissa bits [23 - BITS, 23), exponent of 1.0
+    if 23 - BITS - BITS * j >= 0:
+        t = words << (23 - BITS - BITS * j)
+    else:
+        t = words >> (BITS * j + BITS - 23)
+    return ((t & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_x_cols(x_rows, perm_ptr, smooth_ptr, k, mask, k_mask,
+                 HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):  # fmt: skip
+    """xs[:, k] = x[:, perm[k]] * smooth[k] (rounded to x's dtype) as float32."""
+    src = tl.load(perm_ptr + k, mask=k_mask, other=0) if HAS_PERM else k
+    x = tl.load(x_rows + src, mask=mask, other=0.0)
+    if HAS_SMOOTH:
+        sm = tl.load(smooth_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * sm).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _load_x_pair(x_ptr, x_rows32, smooth_ptr, k, mask, k_mask,
+                 X_BF16: tl.constexpr, HAS_SMOOTH: tl.constexpr):  # fmt: skip
+    """xs[:, k], xs[:, k + 1] (k even) from one 4-byte load of two 16-bit values."""
+    pair = tl.load(x_rows32 + k // 2, mask=mask, other=0)
+    if X_BF16:
+        lo = (pair << 16).to(tl.float32, bitcast=True)
+        hi = (pair & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if HAS_SMOOTH:
+        dt = x_ptr.dtype.element_ty
+        sm_lo = tl.load(smooth_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        sm_hi = tl.load(smooth_ptr + k + 1, mask=k_mask, other=0.0).to(tl.float32)
+        lo = (lo * sm_lo).to(dt).to(tl.float32)
+        hi = (hi * sm_hi).to(dt).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _wq_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, out_ptr,
+    M, N, KW, kw_per_split,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
+    BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, WPG: tl.constexpr,
+    GPT: tl.constexpr, CODE_SCALE: tl.constexpr, ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+):  # fmt: skip
+    """CUDA-core GEMV: y[m, n] for the row m = program_id(2) of x, FMAs in float32.
+
+    WPG: words per scale group (0: one group per row, applied after the K loop); GPT: scale
+    groups per tile. w_ptr is the packed weight viewed as int32 [N, KW] (stride_wn in words).
+    Every tensor is 2-D [rows, words] in the layout of the weight load (3-D tensors with an M
+    axis made Triton shuffle the weights between layouts), so rows of x are programs: their
+    weight reads after the first hit L2.
+    """
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_KW)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_row = x_ptr + pid_m * stride_xm
+    x_row32 = x_ptr.to(tl.pointer_type(tl.int32)) + pid_m * (stride_xm // 2)
+    if WPG > 0:
+        acc = tl.zeros([BLOCK_N, GPT], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
+        xacc = tl.zeros([BLOCK_KW], tl.float32)
+    kw_begin = pid_k * kw_per_split
+    for kw0 in range(kw_begin, tl.minimum(kw_begin + kw_per_split, KW), BLOCK_KW):
+        cols = kw0 + offs_w
+        c_mask = cols < KW
+        packed = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0)
+        p = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32) if WPG > 0 else acc
+        xs = tl.zeros([BLOCK_KW], tl.float32)
+        for q in tl.static_range(16 // BITS):  # code pairs (2q, 2q + 1) of each word
+            k = cols * (32 // BITS) + 2 * q
+            if X_PAIRS:
+                x_lo, x_hi = _load_x_pair(
+                    x_ptr, x_row32, smooth_ptr, k, c_mask, c_mask, X_BF16, HAS_SMOOTH
+                )
+            else:
+                x_lo = _load_x_cols(
+                    x_row, perm_ptr, smooth_ptr, k, c_mask, c_mask, HAS_PERM, HAS_SMOOTH
+                )
+                x_hi = _load_x_cols(
+                    x_row, perm_ptr, smooth_ptr, k + 1, c_mask, c_mask, HAS_PERM, HAS_SMOOTH
+                )
+            p += _decode(packed, 2 * q, BITS, W_FP8) * x_lo[None, :]
+            p += _decode(packed, 2 * q + 1, BITS, W_FP8) * x_hi[None, :]
+            if not W_FP8:
+                xs += x_lo + x_hi
+        if WPG > 0:  # this tile's per-group partial sums, scaled
+            pg = tl.sum(tl.reshape(p, [BLOCK_N, GPT, BLOCK_KW // GPT]), axis=2)
+            xg = tl.sum(tl.reshape(xs, [GPT, BLOCK_KW // GPT]), axis=1)
+            g = kw0 // WPG + tl.arange(0, GPT)
+            g_mask = n_mask[:, None] & (g * WPG < KW)[None, :]
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=g_mask, other=0.0)
+            s = s.to(tl.float32)
+            if HAS_ZEROS:
+                zc = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=g_mask, other=0)
+                zc = zc.to(tl.float32) + CODE_SCALE
+                acc += s * (pg * CODE_SCALE - zc * xg[None, :])
+            else:
+                acc += s * (pg * CODE_SCALE - (CODE_SCALE + ZERO_SYM) * xg[None, :])
+        else:
+            acc = p
+            xacc += xs
+    s = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+    if WPG > 0:
+        y = tl.sum(acc, axis=1)
+    elif W_FP8:
+        y = tl.sum(acc, axis=1) * s
+    else:
+        if HAS_ZEROS:
+            zc = tl.load(z_ptr + offs_n * stride_zn, mask=n_mask, other=0).to(tl.float32)
+            zc = zc + CODE_SCALE
+        else:
+            zc = CODE_SCALE + ZERO_SYM
+        y = s * (tl.sum(acc, axis=1) * CODE_SCALE - zc * tl.sum(xacc, axis=0))
+    out_ptrs = out_ptr + pid_m * stride_om + offs_n
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, y, mask=n_mask)
+    else:
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _wq_gemv_mma_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, out_ptr,
+    M, N, KW, kw_per_split,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
+    BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, WPG: tl.constexpr,
+    GPT: tl.constexpr, CODE_SCALE: tl.constexpr, ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+):  # fmt: skip
+    """Tensor-core variant (swap AB): out^T[n, m] += W_j[n, w] x[m, PER_WORD w + j]^T per code j.
+
+    W_j = (u - z) s is formed in registers (exact integers u - z when the scale is per row; it
+    is applied after the K loop) and rounded to x's dtype like the dequantized reference.
+    """
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_KW)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_cols = x_ptr + offs_m[None, :] * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    if WPG == 0 and not W_FP8:  # per-row zero point: W_j = f 2^BITS - (2^BITS + z)
+        if HAS_ZEROS:
+            zc = tl.load(z_ptr + offs_n * stride_zn, mask=n_mask, other=0).to(tl.float32)
+            zc = (zc + CODE_SCALE)[:, None]
+        else:
+            zc = CODE_SCALE + ZERO_SYM
+    kw_begin = pid_k * kw_per_split
+    for kw0 in range(kw_begin, tl.minimum(kw_begin + kw_per_split, KW), BLOCK_KW):
+        cols = kw0 + offs_w
+        c_mask = cols < KW
+        wk_mask = n_mask[:, None] & c_mask[None, :]
+        packed = tl.load(w_rows + cols[None, :], mask=wk_mask, other=0)
+        x_mask = c_mask[:, None] & m_mask[None, :]
+        if WPG > 0:  # W_j = f (2^BITS s) - (2^BITS + z) s: exact, as (u - z) s in float32
+            g = cols // WPG
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=wk_mask, other=0.0)
+            s = s.to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wk_mask, other=0)
+                b = (z.to(tl.float32) + CODE_SCALE) * s
+            else:
+                b = (CODE_SCALE + ZERO_SYM) * s
+            a = s * CODE_SCALE
+        for j in tl.static_range(32 // BITS):
+            f = _decode(packed, j, BITS, W_FP8)
+            if W_FP8:
+                w = f
+            elif WPG > 0:
+                w = f * a - b
+            else:
+                w = f * CODE_SCALE - zc
+            k = (cols * (32 // BITS) + j)[:, None]
+            xt = tl.load(
+                x_cols + (tl.load(perm_ptr + k, mask=c_mask[:, None], other=0) if HAS_PERM else k),
+                mask=x_mask,
+                other=0.0,
+            )
+            if HAS_SMOOTH:
+                sm = tl.load(smooth_ptr + k, mask=c_mask[:, None], other=0.0).to(tl.float32)
+                xt = (xt.to(tl.float32) * sm).to(xt.dtype)
+            if xt.dtype == tl.float32:
+                acc = tl.dot(w, xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(xt.dtype), xt, acc)
+    if WPG == 0:
+        s = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+        acc = acc * s[:, None]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 @triton.jit
 def _wint_dequant_kernel(
     w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, out_ptr,
@@ -158,12 +405,9 @@ def _flags(
 
 
 def _default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> GemmConfig:
-    """Heuristic tiles; benchmarks/gpu_quant.py sweeps alternatives at the Llama-8B shapes."""
-    if m == 1:
-        block_n, block_k, warps = (16, 512, 4) if bits == 4 else (16, 256, 4)
-        cfg = GemmConfig(1, block_n, block_k, num_warps=warps, num_stages=3)
-    elif m <= 16:
-        cfg = GemmConfig(16, 64, 128 if bits == 4 else 128, num_warps=4, num_stages=4)
+    """Tiles of the tensor-core kernel (M > SMALL_M); benchmarks/gpu_quant.py sweeps them."""
+    if m <= 16:
+        cfg = GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
     elif m <= 64:
         cfg = GemmConfig(64, 64, 64, num_warps=4, num_stages=4)
     else:
@@ -177,6 +421,90 @@ def _default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> 
     return GemmConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps, cfg.num_stages)
 
 
+def _gemv_config(m: int, n: int, k: int, bits: int, device: torch.device) -> GemvConfig:
+    """Small-M heuristic (benchmarks/gpu_quant.py --sweep times the alternatives on an H100).
+
+    FMA kernel up to GEMV_FMA_MAX_M rows: [16 rows, 128 words] tiles give each thread 4 rows
+    x 16 bytes (one x load serves 4 rows) and 256 programs at N = 4096, enough for 132 SMs
+    without split-K. Above: the tensor-core kernel (the FMA count grows with M).
+    """
+    kw = k * bits // 32
+    if m <= GEMV_FMA_MAX_M:
+        cfg = GemvConfig(1, 16, 128, num_warps=4)
+    else:
+        cfg = GemvConfig(16, 64, 32, num_warps=4, mma=True)
+    tiles = -(-n // cfg.block_n)
+    block_kw = min(cfg.block_kw, next_power_of_2(kw))
+    split = 1  # split-K (atomics, a zero fill and a cast) only where rows alone leave SMs idle
+    while tiles * split < num_sms(device) and kw // (block_kw * split * 2) >= 2:
+        split *= 2
+    return GemvConfig(
+        cfg.block_m, cfg.block_n, block_kw, split, cfg.num_warps, cfg.mma, cfg.num_stages
+    )
+
+
+def _words(qweight: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """The packed weight as int32 words [N, K * bits / 32], or None if it cannot be viewed so."""
+    if bits == 4:
+        return qweight
+    if qweight.shape[1] % 4 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
+        return None
+    return qweight.view(torch.int32) if qweight.stride(0) == qweight.shape[1] else None
+
+
+def _gemv_launch(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group: int,
+    perm: torch.Tensor | None,
+    smooth: torch.Tensor | None,
+    w_fp8: bool,
+    cfg: GemvConfig,
+) -> torch.Tensor:
+    m, k = x.shape
+    n, kw = words.shape
+    per_word = 32 // bits
+    wpg = 0 if group >= k else group // per_word
+    block_kw = min(cfg.block_kw, next_power_of_2(kw))
+    if wpg:
+        assert group % per_word == 0, f"group {group} is not a whole number of words"
+        while block_kw > 1 and block_kw % wpg and wpg % block_kw:
+            block_kw //= 2  # tiles must not straddle scale groups
+    gpt = max(block_kw // wpg, 1) if wpg else 1
+    split = max(1, min(cfg.split_k, -(-kw // block_kw)))
+    kw_per_split = -(-kw // (split * block_kw)) * block_kw
+    atomic = split > 1
+    out = (torch.zeros if atomic else torch.empty)(
+        m, n, device=x.device, dtype=torch.float32 if atomic else x.dtype
+    )
+    x_pairs = (
+        x.dtype in (torch.float16, torch.bfloat16)
+        and perm is None
+        and x.stride(0) % 2 == 0
+        and x.data_ptr() % 4 == 0
+    )
+    kernel = _wq_gemv_mma_kernel if cfg.mma else _wq_gemv_kernel
+    block_m = max(cfg.block_m, 16) if cfg.mma else 1  # FMA kernel: one row of x per program
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(kw, kw_per_split), triton.cdiv(m, block_m))
+    kernel[grid](
+        x, words, scales, zeros if zeros is not None else scales, perm if perm is not None
+        else scales, smooth if smooth is not None else scales, out,
+        m, n, kw, kw_per_split,
+        x.stride(0), words.stride(0), scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0, out.stride(0),
+        BITS=bits, W_FP8=w_fp8, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None,
+        HAS_SMOOTH=smooth is not None, X_PAIRS=x_pairs, X_BF16=x.dtype == torch.bfloat16,
+        WPG=wpg, GPT=gpt, CODE_SCALE=float(2**bits), ZERO_SYM=float(2 ** (bits - 1)),
+        ATOMIC=atomic, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out.to(x.dtype) if atomic else out
+
+
 def wint_gemm_triton(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -186,16 +514,29 @@ def wint_gemm_triton(
     group_size: int,
     perm: torch.Tensor | None = None,
     smooth: torch.Tensor | None = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | GemvConfig | None = None,
 ) -> torch.Tensor:
-    """Fused path: x [M, K] (contiguous rows) -> [M, N] in x.dtype."""
+    """Fused path: x [M, K] (contiguous rows) -> [M, N] in x.dtype.
+
+    M <= SMALL_M (or a GemvConfig): the word-streaming kernels; else (or a GemmConfig) the
+    tensor-core tile kernel.
+    """
     m, k = x.shape
     n = scales.shape[0]
     group = k if group_size <= 0 else group_size
     assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1
     assert qweight.shape == (n, k // 8 if bits == 4 else k), f"qweight {tuple(qweight.shape)}"
     assert scales.shape[1] == -(-k // group), f"scales {tuple(scales.shape)} for group {group}"
-    cfg = config or _default_config(m, n, k, bits, x.device)
+    if m == 0:
+        return torch.empty(0, n, device=x.device, dtype=x.dtype)
+    words = _words(qweight, bits)
+    use_gemv = isinstance(config, GemvConfig) or (config is None and m <= SMALL_M)
+    if use_gemv and words is not None and group % (32 // bits) == 0:
+        cfg = config if isinstance(config, GemvConfig) else _gemv_config(m, n, k, bits, x.device)
+        return _gemv_launch(
+            x, words, scales, zeros, bits, group, perm, smooth, qweight.dtype == FP8_DTYPE, cfg
+        )
+    cfg = config if isinstance(config, GemmConfig) else _default_config(m, n, k, bits, x.device)
     block_k = min(cfg.block_k, next_power_of_2(k))
     if group >= k:  # per channel: every tile lies in group 0
         groups_per_tile = 1
@@ -208,8 +549,6 @@ def wint_gemm_triton(
     out = (torch.zeros if atomic else torch.empty)(
         m, n, device=x.device, dtype=torch.float32 if atomic else x.dtype
     )
-    if m == 0:
-        return out.to(x.dtype)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     _wint_gemm_kernel[grid](
         x, qweight, scales, zeros if zeros is not None else scales, perm if perm is not None

@@ -19,19 +19,22 @@ from kiln.kernels.kv_cache import write_kv_cache
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64; < 0 skips (padding)
+    slot_mapping: torch.Tensor | None  # [num_tokens] int64, < 0 skips; None: a sub-batch view
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor  # [num_seqs] int32, cached + new tokens
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_seqlen_q: int
     max_seqlen_k: int
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer; [num_blocks, block_size, Hkv, D]
+    # per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     backend: str = "torch"  # "torch" (reference, any device) or "triton" (CUDA kernels)
     # Mixed batches put their single-token sequences first: rows [0, num_decode_seqs) go to the
-    # split-KV decode kernel, the rest (cu_seqlens_q rebased to 0) to the prefill kernel, which
-    # would otherwise spend a whole query tile on each one-token row.
+    # split-KV decode kernel, the rest to the prefill kernel (which would otherwise spend a whole
+    # query tile on each one-token row). The prefill part gets tensors of its own rather than
+    # slices: a slice starting mid-tensor is not 16-byte aligned, and Triton would compile a
+    # new kernel variant for it in the middle of serving.
     num_decode_seqs: int = 0
-    prefill_cu_seqlens_q: torch.Tensor | None = None
+    prefill: AttentionMetadata | None = None
 
 
 class Attention(nn.Module):
@@ -52,19 +55,19 @@ class Attention(nn.Module):
             out = paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                       meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k,
                                       self.scale)
-        elif meta.prefill_cu_seqlens_q is None:
+        elif meta.prefill is None:
             out = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                   meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k,
                                   self.scale)
         else:
-            nd = meta.num_decode_seqs
+            nd, pre = meta.num_decode_seqs, meta.prefill
             out = torch.empty_like(q)
             out[:nd] = paged_attention(q[:nd], k_cache, v_cache, meta.cu_seqlens_q[: nd + 1],
                                        meta.seq_lens[:nd], meta.block_tables[:nd], 1,
                                        meta.max_seqlen_k, self.scale)
-            out[nd:] = paged_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q,
-                                       meta.seq_lens[nd:], meta.block_tables[nd:],
-                                       meta.max_seqlen_q, meta.max_seqlen_k, self.scale)
+            out[nd:] = paged_attention(q[nd:], k_cache, v_cache, pre.cu_seqlens_q, pre.seq_lens,
+                                       pre.block_tables, pre.max_seqlen_q, pre.max_seqlen_k,
+                                       self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 

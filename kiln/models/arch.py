@@ -69,7 +69,8 @@ def _rope_from_config(cfg: dict[str, Any]) -> RopeConfig:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: "
+                         f"{', '.join(ROPE_TYPES)}")
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,

@@ -13,7 +13,6 @@ import random
 import pytest
 import torch
 import transformers
-from tiny_models import TRITON_GEOMETRY, build_model
 
 import kiln
 from kiln.engine.llm_engine import LLMEngine
@@ -83,11 +82,13 @@ def test_engine_torch_backend_matches_reference_on_cuda(tiny_llama):
     assert rate >= 0.99
 
 
-def test_engine_triton_backend_and_graphs_match_torch_backend(tmp_path):
-    path = build_model("llama3.1", tmp_path / "hd64", **TRITON_GEOMETRY)
+def test_engine_triton_backend_and_graphs_match_torch_backend():
+    # kiln-tiny (head_dim 64, GQA 3) has Triton kernels, and being trained its greedy choices are
+    # rarely near-ties, so bf16 rounding differences between backends seldom flip a token (on a
+    # random model they do, and every later token of that sequence then differs too)
     prompts, params = _workload(64, seed=2)
-    eager = _engine_tokens(path, "torch", prompts, params, enforce_eager=True)
-    fast = _engine_tokens(path, "triton", prompts, params)  # CUDA graphs for decode
+    eager = _engine_tokens("kiln-tiny", "torch", prompts, params, enforce_eager=True)
+    fast = _engine_tokens("kiln-tiny", "triton", prompts, params)  # CUDA graphs for decode
     rate = _match_rate(eager, fast)
     report("engine_triton_graphs_vs_torch_bf16_token_match", rate)
     assert rate >= 0.99
