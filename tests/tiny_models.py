@@ -25,13 +25,14 @@ VARIANTS = {
                                        "original_max_position_embeddings": 64})),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, num_key_value_heads=1,
-                                                      tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(head_dim=32, num_key_value_heads=1, tie_word_embeddings=False)),
 }
 
 CORPUS = ("def fibonacci(n):\n    if n < 2:\n        return n\n"
           "    return fibonacci(n - 1) + fibonacci(n - 2)\n"
-          "Unicode: café, naïve, 中文, emoji 🙂. The quick brown fox jumps over the lazy dog.\n") * 4
+          "Unicode: café, naïve, 中文, emoji 🙂. "
+          "The quick brown fox jumps over the lazy dog.\n") * 4
 
 
 def build_tokenizer(path: Path) -> transformers.PreTrainedTokenizerFast:

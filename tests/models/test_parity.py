@@ -47,7 +47,7 @@ def test_logits_match_transformers(variant, tiny_model_dirs):
         got = logits[offset:offset + len(prompt)]
         offset += len(prompt)
         diff = (got - expected).abs().max().item()
-        assert diff <= 1e-4, f"{variant}: max |logit diff| {diff:.2e} for a {len(prompt)}-token prompt"
+        assert diff <= 1e-4, f"{variant}: max |logit diff| {diff:.2e}, {len(prompt)}-token prompt"
 
 
 def hf_greedy(ref, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -78,4 +78,4 @@ def test_greedy_and_logprobs_match_transformers(variant, tiny_model_dirs):
             top = lp.topk(5)
             assert set(top.indices.tolist()) <= set(entry), f"{variant}: step {step} top-5 ids"
             for token, value in entry.items():
-                assert abs(value - lp[token].item()) <= 1e-4, f"{variant}: step {step} token {token}"
+                assert abs(value - lp[token].item()) <= 1e-4, f"{variant}: step {step}, {token}"
