@@ -46,7 +46,15 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, **on)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # [bs, vocab] float32, written by replay
+        self.greedy_ids: dict[int, torch.Tensor] = {}  # [bs] argmax, for all-greedy batches
         self.pool = None
+        # pinned host mirrors of the per-step inputs: the host writes them, one async copy each
+        pinned = {"pin_memory": True}
+        self.host_ids = torch.zeros(max_bs, dtype=torch.int64, **pinned)
+        self.host_positions = torch.zeros(max_bs, dtype=torch.int64, **pinned)
+        self.host_slots = torch.zeros(max_bs, dtype=torch.int64, **pinned)
+        self.host_seq_lens = torch.ones(max_bs, dtype=torch.int32, **pinned)
+        self.host_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, **pinned)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -54,9 +62,10 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_seqlen_q=1,
             max_seqlen_k=self.max_model_len, kv_caches=self.kv_caches, backend="triton")
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return logits, logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -67,7 +76,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bs] = self._forward(bs)
+                self.logits[bs], self.greedy_ids[bs] = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -80,19 +89,31 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return bool(self.graphs) and num_seqs <= self.batch_sizes[-1]
 
-    def run(self, meta: AttentionMetadata, input_ids: torch.Tensor,
-            positions: torch.Tensor) -> torch.Tensor:
-        """Replay the smallest graph that holds the batch; returns logits [num_seqs, vocab]."""
-        n = input_ids.shape[0]
+    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]],
+            block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the smallest graph holding the batch: (logits [n, vocab], argmax ids [n]).
+
+        Sequence i feeds ``tokens[i]`` at ``positions[i]`` and reads blocks ``tables[i]``;
+        padded rows write nothing and attend to one slot of block 0.
+        """
+        n = len(tokens)
         bs = next(s for s in self.batch_sizes if s >= n)
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        if bs > n:  # padded rows write nothing and attend to one slot of block 0
-            self.slot_mapping[n:bs].fill_(-1)
-            self.seq_lens[n:bs].fill_(1)
+        width = max(len(t) for t in tables)
+        slots = [t[p // block_size] * block_size + p % block_size
+                 for t, p in zip(tables, positions, strict=True)]
+        self.host_ids[:n] = torch.tensor(tokens)
+        self.host_positions[:n] = torch.tensor(positions)
+        self.host_slots[:n] = torch.tensor(slots)
+        self.host_slots[n:bs] = -1
+        self.host_seq_lens[:n] = torch.tensor(positions) + 1
+        self.host_seq_lens[n:bs] = 1
+        table_rows = self.host_tables[:n, :width].numpy()
+        for row, table in enumerate(tables):
+            table_rows[row, : len(table)] = table
+        for dst, src in ((self.input_ids, self.host_ids), (self.positions, self.host_positions),
+                         (self.slot_mapping, self.host_slots),
+                         (self.seq_lens, self.host_seq_lens)):
+            dst[:bs].copy_(src[:bs], non_blocking=True)
+        self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return self.logits[bs][:n], self.greedy_ids[bs][:n]

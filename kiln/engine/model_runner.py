@@ -21,6 +21,7 @@ from kiln.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kiln.engine.sequence import Sequence
 from kiln.layers.attention import AttentionMetadata
 from kiln.models.loader import LoadedModel
+from kiln.sampling.params import SamplingParams
 from kiln.sampling.sampler import (
     LogprobsTensors,
     Sampler,
@@ -122,12 +123,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.apply_cache_ops(out)
+        if self._graph_step(out.scheduled):
+            return self._graph_decode(out.scheduled)
         # single-token rows first, so attention can send them to the decode kernel
         scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
         batch = self.prepare(scheduled)
-        if self._graph_step(scheduled):
-            logits = self.graphs.run(batch.meta, batch.input_ids, batch.positions)
-            return self._sample(logits, [(item, row) for row, item in enumerate(scheduled)], [])
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
         prompt_lps = self._prompt_logprobs(scheduled, hidden, ends)
@@ -145,6 +145,19 @@ class ModelRunner:
         """Pure decode steps (one new token per sequence, all sampling) replay a graph."""
         return (self.graphs is not None and self.graphs.fits(len(scheduled))
                 and all(item.num_new_tokens == 1 and item.samples for item in scheduled))
+
+    def _graph_decode(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        """A pure decode step through the captured graphs; plain greedy batches use the argmax
+        computed inside the graph and skip the sampler altogether."""
+        positions = [item.seq.num_computed_tokens for item in scheduled]
+        tokens = [item.seq.token_slice(p, p + 1)[0] for item, p in zip(scheduled, positions,
+                                                                        strict=True)]
+        tables = [self.kv.block_table(item.seq.seq_id) for item in scheduled]
+        logits, greedy_ids = self.graphs.run(tokens, positions, tables, self.block_size)
+        if all(item.request.forked and _plain_greedy(item.seq.params) for item in scheduled):
+            seqs = [item.seq for item in scheduled]
+            return StepResult(seqs, [item.request for item in scheduled], greedy_ids, None, [])
+        return self._sample(logits, [(item, row) for row, item in enumerate(scheduled)], [])
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledSeq, int]],
                 prompt_lps: list[tuple[ScheduledSeq, LogprobsTensors]]) -> StepResult:
@@ -182,3 +195,9 @@ class ModelRunner:
             results.append((item, compute_prompt_logprobs(logits, ids,
                                                           request.params.prompt_logprobs)))
         return results
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits first: the token is a plain argmax."""
+    return (params.greedy and params.logprobs is None and not params.has_penalties
+            and params.min_tokens == 0)

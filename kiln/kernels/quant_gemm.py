@@ -131,15 +131,19 @@ def _wint_gemm_kernel(
 # ---- M <= SMALL_M: weight streaming over int32 words (the decode path) --------------------------
 #
 # The packed weight is read as int32 words: a word holds 8 int4 codes or 4 int8 / FP8 codes of
-# consecutive input channels (k = PER_WORD w + j for code j of word w). A tile is [BLOCK_N rows,
-# BLOCK_KW words]; each thread loads 16-byte vectors of consecutive words of a row (coalesced),
-# then, for each code position j, decodes the j-th code of every word of the tile in registers
-# and multiplies it by x[:, PER_WORD w + j]: no reshapes, no shared memory. Integer codes are
-# decoded with one shift and one and/or into the float 1 + u / 2^BITS (u's bits placed in the
-# top mantissa bits of 1.0), so
+# consecutive input channels (k = PER_WORD w + j for code j of word w). Integer codes are decoded
+# with one shift and one and/or into the float f = 1 + u / 2^BITS (u's bits placed in the top
+# mantissa bits of 1.0), so that
 #     sum_k (u_k - z) s x_k = s (2^BITS sum_k f_k x_k - (2^BITS + z) sum_k x_k),
-# with sum_k x_k shared by all rows: per code a shift, an and/or and one FMA. Group-wise scales
-# are applied to per-group partial sums once per tile.
+# where sum_k x_k is shared by all rows: per code a shift, an and/or and one FMA.
+#
+# CUDA-core kernel layout (checked in the TTGIR, no layout conversion inside the K loop): a tile
+# is [BLOCK_N rows, BLOCK_KW words]; lane l of warp v owns word column 32 v + l of every row of
+# the tile, so each warp load reads 128 contiguous bytes of one row, and the thread's x values
+# (the PER_WORD inputs of its column) are one 16-byte load, reused by all BLOCK_N rows. The word
+# offsets carry a max_contiguous(1) hint: without it Triton gives each thread 4 consecutive
+# words (16-byte weight loads) and then has to move x between layouts through shared memory
+# for every code position.
 
 
 @triton.jit
@@ -157,35 +161,28 @@ def _decode(words, j: tl.constexpr, BITS: tl.constexpr, W_FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_x_cols(x_rows, perm_ptr, smooth_ptr, k, mask, k_mask,
-                 HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):  # fmt: skip
-    """xs[:, k] = x[:, perm[k]] * smooth[k] (rounded to x's dtype) as float32."""
-    src = tl.load(perm_ptr + k, mask=k_mask, other=0) if HAS_PERM else k
-    x = tl.load(x_rows + src, mask=mask, other=0.0)
+def _x_plane(x_row, x_planes, perm_ptr, smooth_ptr, cols, c_mask, j: tl.constexpr,
+             PER_WORD: tl.constexpr, HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):  # fmt: skip
+    """xs[PER_WORD c + j] for the word columns c (float32): x[perm[k]] * smooth[k] in x's dtype."""
+    k = cols * PER_WORD + j
+    if HAS_PERM:
+        src = tl.load(perm_ptr + k, mask=c_mask, other=0)
+        x = tl.load(x_row + src, mask=c_mask, other=0.0)
+    else:
+        x = x_planes
     if HAS_SMOOTH:
-        sm = tl.load(smooth_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) * sm).to(x.dtype)
+        sm = tl.load(smooth_ptr + k, mask=c_mask, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * sm).to(x_row.dtype.element_ty)
     return x.to(tl.float32)
 
 
 @triton.jit
-def _load_x_pair(x_ptr, x_rows32, smooth_ptr, k, mask, k_mask,
-                 X_BF16: tl.constexpr, HAS_SMOOTH: tl.constexpr):  # fmt: skip
-    """xs[:, k], xs[:, k + 1] (k even) from one 4-byte load of two 16-bit values."""
-    pair = tl.load(x_rows32 + k // 2, mask=mask, other=0)
-    if X_BF16:
-        lo = (pair << 16).to(tl.float32, bitcast=True)
-        hi = (pair & -65536).to(tl.float32, bitcast=True)
-    else:
-        lo = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    if HAS_SMOOTH:
-        dt = x_ptr.dtype.element_ty
-        sm_lo = tl.load(smooth_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        sm_hi = tl.load(smooth_ptr + k + 1, mask=k_mask, other=0.0).to(tl.float32)
-        lo = (lo * sm_lo).to(dt).to(tl.float32)
-        hi = (hi * sm_hi).to(dt).to(tl.float32)
-    return lo, hi
+def _fma_code(p, xs, packed, x_row, xj, perm_ptr, smooth_ptr, cols, c_mask, j: tl.constexpr,
+              BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_PERM: tl.constexpr,
+              HAS_SMOOTH: tl.constexpr):  # fmt: skip
+    x = _x_plane(x_row, xj, perm_ptr, smooth_ptr, cols, c_mask, j, 32 // BITS, HAS_PERM,
+                 HAS_SMOOTH)  # fmt: skip
+    return p + _decode(packed, j, BITS, W_FP8) * x[None, :], xs + x
 
 
 @triton.jit
@@ -194,30 +191,25 @@ def _wq_gemv_kernel(
     M, N, KW, kw_per_split,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    HAS_SMOOTH: tl.constexpr, X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, WPG: tl.constexpr,
-    GPT: tl.constexpr, CODE_SCALE: tl.constexpr, ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
+    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
 ):  # fmt: skip
     """CUDA-core GEMV: y[m, n] for the row m = program_id(2) of x, FMAs in float32.
 
-    WPG: words per scale group (0: one group per row, applied after the K loop); GPT: scale
-    groups per tile. w_ptr is the packed weight viewed as int32 [N, KW] (stride_wn in words).
-    Every tensor is 2-D [rows, words] in the layout of the weight load (3-D tensors with an M
-    axis made Triton shuffle the weights between layouts), so rows of x are programs: their
-    weight reads after the first hit L2.
+    WPG: words per scale group (0: one group per row, applied after the K loop). w_ptr is the
+    packed weight viewed as int32 [N, KW] (stride_wn in words). Rows of x are programs (their
+    weight reads after the first come from L2): 3-D tensors with an M axis made Triton shuffle
+    the weights between layouts.
     """
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, BLOCK_KW)
+    offs_w = tl.max_contiguous(tl.arange(0, BLOCK_KW), 1)  # 4-byte loads: see the notes above
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + pid_m * stride_xm
-    x_row32 = x_ptr.to(tl.pointer_type(tl.int32)) + pid_m * (stride_xm // 2)
-    if WPG > 0:
-        acc = tl.zeros([BLOCK_N, GPT], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
-        xacc = tl.zeros([BLOCK_KW], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
+    xacc = tl.zeros([BLOCK_KW], tl.float32)
     kw_begin = pid_k * kw_per_split
     for kw0 in range(kw_begin, tl.minimum(kw_begin + kw_per_split, KW), BLOCK_KW):
         cols = kw0 + offs_w
@@ -225,36 +217,52 @@ def _wq_gemv_kernel(
         packed = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0)
         p = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32) if WPG > 0 else acc
         xs = tl.zeros([BLOCK_KW], tl.float32)
-        for q in tl.static_range(16 // BITS):  # code pairs (2q, 2q + 1) of each word
-            k = cols * (32 // BITS) + 2 * q
-            if X_PAIRS:
-                x_lo, x_hi = _load_x_pair(
-                    x_ptr, x_row32, smooth_ptr, k, c_mask, c_mask, X_BF16, HAS_SMOOTH
-                )
-            else:
-                x_lo = _load_x_cols(
-                    x_row, perm_ptr, smooth_ptr, k, c_mask, c_mask, HAS_PERM, HAS_SMOOTH
-                )
-                x_hi = _load_x_cols(
-                    x_row, perm_ptr, smooth_ptr, k + 1, c_mask, c_mask, HAS_PERM, HAS_SMOOTH
-                )
-            p += _decode(packed, 2 * q, BITS, W_FP8) * x_lo[None, :]
-            p += _decode(packed, 2 * q + 1, BITS, W_FP8) * x_hi[None, :]
-            if not W_FP8:
-                xs += x_lo + x_hi
-        if WPG > 0:  # this tile's per-group partial sums, scaled
-            pg = tl.sum(tl.reshape(p, [BLOCK_N, GPT, BLOCK_KW // GPT]), axis=2)
-            xg = tl.sum(tl.reshape(xs, [GPT, BLOCK_KW // GPT]), axis=1)
-            g = kw0 // WPG + tl.arange(0, GPT)
-            g_mask = n_mask[:, None] & (g * WPG < KW)[None, :]
-            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=g_mask, other=0.0)
-            s = s.to(tl.float32)
+        if HAS_PERM:  # gathered per code position inside _x_plane
+            x0, x1, x2, x3, x4, x5, x6, x7 = xs, xs, xs, xs, xs, xs, xs, xs
+        elif BITS == 4:  # the 8 inputs of each word: one 16-byte load, split in registers
+            xw = tl.load(x_row + cols[:, None] * 8 + tl.arange(0, 8)[None, :],
+                         mask=c_mask[:, None], other=0.0)  # fmt: skip
+            xe, xo = tl.split(tl.reshape(xw, [BLOCK_KW, 4, 2]))
+            xe0, xe1 = tl.split(tl.reshape(xe, [BLOCK_KW, 2, 2]))
+            xo0, xo1 = tl.split(tl.reshape(xo, [BLOCK_KW, 2, 2]))
+            x0, x4 = tl.split(xe0)
+            x2, x6 = tl.split(xe1)
+            x1, x5 = tl.split(xo0)
+            x3, x7 = tl.split(xo1)
+        else:
+            xw = tl.load(x_row + cols[:, None] * 4 + tl.arange(0, 4)[None, :],
+                         mask=c_mask[:, None], other=0.0)  # fmt: skip
+            xe, xo = tl.split(tl.reshape(xw, [BLOCK_KW, 2, 2]))
+            x0, x2 = tl.split(xe)
+            x1, x3 = tl.split(xo)
+        p, xs = _fma_code(p, xs, packed, x_row, x0, perm_ptr, smooth_ptr, cols, c_mask, 0,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
+        p, xs = _fma_code(p, xs, packed, x_row, x1, perm_ptr, smooth_ptr, cols, c_mask, 1,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
+        p, xs = _fma_code(p, xs, packed, x_row, x2, perm_ptr, smooth_ptr, cols, c_mask, 2,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
+        p, xs = _fma_code(p, xs, packed, x_row, x3, perm_ptr, smooth_ptr, cols, c_mask, 3,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
+        if BITS == 4:
+            p, xs = _fma_code(p, xs, packed, x_row, x4, perm_ptr, smooth_ptr, cols, c_mask, 4,
+                              BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
+            p, xs = _fma_code(p, xs, packed, x_row, x5, perm_ptr, smooth_ptr, cols, c_mask, 5,
+                              BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
+            p, xs = _fma_code(p, xs, packed, x_row, x6, perm_ptr, smooth_ptr, cols, c_mask, 6,
+                              BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
+            p, xs = _fma_code(p, xs, packed, x_row, x7, perm_ptr, smooth_ptr, cols, c_mask, 7,
+                              BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
+        if WPG > 0:  # scale this tile's partial sums: acc += s (2^BITS p - (2^BITS + z) xs)
+            g = cols // WPG
+            wk_mask = n_mask[:, None] & c_mask[None, :]
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=wk_mask, other=0.0)
             if HAS_ZEROS:
-                zc = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=g_mask, other=0)
-                zc = zc.to(tl.float32) + CODE_SCALE
-                acc += s * (pg * CODE_SCALE - zc * xg[None, :])
+                z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wk_mask,
+                            other=0)  # fmt: skip
+                zx = (z.to(tl.float32) + CODE_SCALE) * xs[None, :]
             else:
-                acc += s * (pg * CODE_SCALE - (CODE_SCALE + ZERO_SYM) * xg[None, :])
+                zx = ((CODE_SCALE + ZERO_SYM) * xs)[None, :]
+            acc += (p * CODE_SCALE - zx) * s.to(tl.float32)
         else:
             acc = p
             xacc += xs
@@ -283,8 +291,8 @@ def _wq_gemv_mma_kernel(
     M, N, KW, kw_per_split,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    HAS_SMOOTH: tl.constexpr, X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, WPG: tl.constexpr,
-    GPT: tl.constexpr, CODE_SCALE: tl.constexpr, ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
+    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
 ):  # fmt: skip
     """Tensor-core variant (swap AB): out^T[n, m] += W_j[n, w] x[m, PER_WORD w + j]^T per code j.
@@ -467,24 +475,14 @@ def _gemv_launch(
     m, k = x.shape
     n, kw = words.shape
     per_word = 32 // bits
-    wpg = 0 if group >= k else group // per_word
+    assert group >= k or group % per_word == 0, f"group {group}: not a whole number of words"
+    wpg = 0 if group >= k else group // per_word  # scales are looked up per word
     block_kw = min(cfg.block_kw, next_power_of_2(kw))
-    if wpg:
-        assert group % per_word == 0, f"group {group} is not a whole number of words"
-        while block_kw > 1 and block_kw % wpg and wpg % block_kw:
-            block_kw //= 2  # tiles must not straddle scale groups
-    gpt = max(block_kw // wpg, 1) if wpg else 1
     split = max(1, min(cfg.split_k, -(-kw // block_kw)))
     kw_per_split = -(-kw // (split * block_kw)) * block_kw
     atomic = split > 1
     out = (torch.zeros if atomic else torch.empty)(
         m, n, device=x.device, dtype=torch.float32 if atomic else x.dtype
-    )
-    x_pairs = (
-        x.dtype in (torch.float16, torch.bfloat16)
-        and perm is None
-        and x.stride(0) % 2 == 0
-        and x.data_ptr() % 4 == 0
     )
     kernel = _wq_gemv_mma_kernel if cfg.mma else _wq_gemv_kernel
     block_m = max(cfg.block_m, 16) if cfg.mma else 1  # FMA kernel: one row of x per program
@@ -496,8 +494,8 @@ def _gemv_launch(
         x.stride(0), words.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, out.stride(0),
         BITS=bits, W_FP8=w_fp8, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None,
-        HAS_SMOOTH=smooth is not None, X_PAIRS=x_pairs, X_BF16=x.dtype == torch.bfloat16,
-        WPG=wpg, GPT=gpt, CODE_SCALE=float(2**bits), ZERO_SYM=float(2 ** (bits - 1)),
+        HAS_SMOOTH=smooth is not None, WPG=wpg, CODE_SCALE=float(2**bits),
+        ZERO_SYM=float(2 ** (bits - 1)),
         ATOMIC=atomic, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
