@@ -55,15 +55,19 @@ def _workload(num: int, seed: int):
     return prompts, params
 
 
-def _engine_tokens(path, backend: str, prompts, params, **options) -> list[list[int]]:
+def _engine_run(path, backend: str, prompts, params, **options) -> list:
     engine = LLMEngine.from_kwargs(str(path), dtype="bfloat16", device="cuda",
                                    attention_backend=backend, num_kv_blocks=4096,
                                    max_num_batched_tokens=96, **options)
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), p, sp)
-    done = {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
+    done = {o.request_id: o.outputs[0] for o in engine.run_to_completion()}
     assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def _engine_tokens(path, backend: str, prompts, params, **options) -> list[list[int]]:
+    return [c.token_ids for c in _engine_run(path, backend, prompts, params, **options)]
 
 
 def _match_rate(a: list[list[int]], b: list[list[int]]) -> float:
@@ -83,12 +87,28 @@ def test_engine_torch_backend_matches_reference_on_cuda(tiny_llama):
 
 
 def test_engine_triton_backend_and_graphs_match_torch_backend():
-    # kiln-tiny (head_dim 64, GQA 3) has Triton kernels, and being trained its greedy choices are
-    # rarely near-ties, so bf16 rounding differences between backends seldom flip a token (on a
-    # random model they do, and every later token of that sequence then differs too)
+    """Triton attention + CUDA graphs against the torch backend on kiln-tiny (head_dim 64, GQA 3).
+
+    bf16 kernels round differently, so a near-tie can flip a greedy token, and every later token
+    of that sequence then differs too. The test therefore checks that each first divergence is a
+    near-tie in the torch backend's own logprobs, and reports the raw token match rate.
+    """
     prompts, params = _workload(64, seed=2)
-    eager = _engine_tokens("kiln-tiny", "torch", prompts, params, enforce_eager=True)
-    fast = _engine_tokens("kiln-tiny", "triton", prompts, params)  # CUDA graphs for decode
-    rate = _match_rate(eager, fast)
+    with_lps = [kiln.SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True,
+                                    logprobs=2) for p in params]
+    eager = _engine_run("kiln-tiny", "torch", prompts, with_lps, enforce_eager=True)
+    fast = _engine_run("kiln-tiny", "triton", prompts, with_lps)  # CUDA graphs for decode
+    # plain greedy (no logprobs) takes the argmax captured inside the graph: same tokens
+    assert _engine_tokens("kiln-tiny", "triton", prompts, params) == [c.token_ids for c in fast]
+    rate = _match_rate([c.token_ids for c in eager], [c.token_ids for c in fast])
     report("engine_triton_graphs_vs_torch_bf16_token_match", rate)
-    assert rate >= 0.99
+    gaps = []
+    for e, f in zip(eager, fast, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(e.token_ids, f.token_ids, strict=True))
+                      if a != b), None)
+        if first is not None:
+            top = sorted(e.logprobs[first].values(), reverse=True)
+            gaps.append(top[0] - top[1])
+    report("engine_triton_graphs_vs_torch_divergence_logprob_gaps", [round(g, 4) for g in gaps])
+    assert all(g < 0.25 for g in gaps), f"a divergence at a clear choice (gap {max(gaps):.3f})"
+    assert len(gaps) <= len(prompts) // 4
