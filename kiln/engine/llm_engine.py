@@ -21,6 +21,7 @@ from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.sequence import apply_sampler_output, prompt_logprobs_to_dicts
 from kiln.engine.sizing import attention_backend_for, num_kv_blocks_for, resolve_max_model_len
 from kiln.engine.stats import EngineStats
+from kiln.kernels.kv_cache import kv_cache_torch_dtype
 from kiln.models.loader import LoadedModel, load_model
 from kiln.outputs import RequestOutput
 from kiln.sampling.params import SamplingParams
@@ -50,7 +51,8 @@ class LLMEngine:
         num_blocks, num_cpu_blocks = num_kv_blocks_for(config, self.loaded, self.max_model_len,
                                                        self.backend)
         self.kv_cache = KVCache(arch.num_layers, num_blocks, cc.block_size,
-                                self.loaded.model.num_kv_heads, arch.head_dim, self.loaded.dtype,
+                                self.loaded.model.num_kv_heads, arch.head_dim,
+                                kv_cache_torch_dtype(cc.kv_cache_dtype, self.loaded.dtype),
                                 self.loaded.device, num_cpu_blocks=num_cpu_blocks)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                  num_cpu_blocks=num_cpu_blocks)

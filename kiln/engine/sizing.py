@@ -9,6 +9,7 @@ import torch
 
 from kiln.cache.kv_cache import KVCache
 from kiln.config import EngineConfig
+from kiln.kernels.kv_cache import kv_cache_torch_dtype
 from kiln.layers.attention import contiguous_kv_caches, contiguous_metadata
 from kiln.models.arch import ArchConfig
 from kiln.models.loader import LoadedModel
@@ -84,7 +85,8 @@ def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, max_model_len: 
     """(GPU-or-CPU pool blocks, CPU swap blocks), failing clearly if one request cannot fit."""
     cc, arch = config.cache, loaded.arch
     per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, loaded.model.num_kv_heads,
-                                        arch.head_dim, loaded.dtype)
+                                        arch.head_dim,
+                                        kv_cache_torch_dtype(cc.kv_cache_dtype, loaded.dtype))
     knob = "num_kv_blocks"
     if cc.num_kv_blocks is not None:
         num_blocks = cc.num_kv_blocks

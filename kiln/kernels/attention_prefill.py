@@ -55,7 +55,7 @@ def _attn_tile(
         k_t = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
     else:
         k_t = tl.load(k_ptrs)
-    qk = tl.dot(q, k_t)
+    qk = tl.dot(q, k_t.to(q.dtype))  # an fp8 cache is widened in registers (no-op otherwise)
     if MASKED:
         keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         qk = tl.where(keep, qk, float("-inf"))
@@ -69,7 +69,7 @@ def _attn_tile(
     else:
         v = tl.load(v_ptrs)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
     return acc, l_i, m_new
 
 
@@ -146,7 +146,8 @@ def check_attention_args(
     num_kv_heads = k_cache.shape[2]
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads, {num_kv_heads} kv heads"
-    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn), (
+        f"cache dtype {k_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     num_seqs = seq_lens.shape[0]
     assert cu_seqlens_q.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kiln.kernels.attention import paged_attention, paged_attention_ref
-from kiln.kernels.kv_cache import write_kv_cache
+from kiln.kernels.kv_cache import FP8_DTYPE, attention_scales, quantize_kv, write_kv_cache
 
 
 @dataclass
@@ -45,29 +45,38 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        # per-layer scales of an fp8 KV cache (1.0 unless a quantized checkpoint calibrated them)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
         k_cache, v_cache = meta.kv_caches[self.layer_idx]
+        scale = self.scale
+        fp8 = k_cache.dtype == FP8_DTYPE
+        if fp8:  # K and V are stored as x / scale; the scales fold into the softmax and output
+            k, v = quantize_kv(k, self.k_scale), quantize_kv(v, self.v_scale)
+            scale, out_scale = attention_scales(scale, self.k_scale, self.v_scale)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.backend != "triton":
             out = paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                       meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k,
-                                      self.scale)
+                                      scale)
         elif meta.prefill is None:
             out = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                  meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k,
-                                  self.scale)
+                                  meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k, scale)
         else:
             nd, pre = meta.num_decode_seqs, meta.prefill
             out = torch.empty_like(q)
             out[:nd] = paged_attention(q[:nd], k_cache, v_cache, meta.cu_seqlens_q[: nd + 1],
                                        meta.seq_lens[:nd], meta.block_tables[:nd], 1,
-                                       meta.max_seqlen_k, self.scale)
+                                       meta.max_seqlen_k, scale)
             out[nd:] = paged_attention(q[nd:], k_cache, v_cache, pre.cu_seqlens_q, pre.seq_lens,
                                        pre.block_tables, pre.max_seqlen_q, pre.max_seqlen_k,
-                                       self.scale)
+                                       scale)
+        if fp8:
+            out = out * out_scale
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 

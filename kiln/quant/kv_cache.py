@@ -14,38 +14,19 @@ its output by ``v_scale`` (``attention_scales``).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
+from kiln.kernels.kv_cache import (  # noqa: F401 (re-exported: the quantization API)
+    FP8_DTYPE,
+    FP8_MAX,
+    attention_scales,
+    dequantize_kv,
+    kv_cache_torch_dtype,
+    quantize_kv,
+)
 from kiln.layers.attention import Attention
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 DEFAULT_SCALE = 1.0
-
-
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The storage dtype of the KV cache for ``--kv-cache-dtype`` ("auto": the model's)."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype == "fp8":
-        return FP8_DTYPE
-    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; choose auto or fp8")
-
-
-def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """k or v [T, H_kv, D] in the model dtype -> fp8 for the cache (call before the write)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-def dequantize_kv(cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 cache tensor (or gathered pages) -> ``dtype`` values."""
-    return (cache.float() * scale).to(dtype)
-
-
-def attention_scales(sm_scale: float, k_scale: float, v_scale: float) -> tuple[float, float]:
-    """(score scale to use with raw fp8 K, factor for the output computed with raw fp8 V)."""
-    return sm_scale * k_scale, v_scale
 
 
 def set_kv_scales(model: nn.Module, scales: list[list[float]] | None) -> None:
