@@ -1,10 +1,13 @@
-"""CUDA graphs for decode steps: one graph per batch size of a ladder, replayed padded up.
+"""CUDA graphs for decode steps (a ladder of batch sizes) and for short single-prompt prefills
+(a ladder of token counts), each replayed padded up to the next captured size.
 
-A decode step launches hundreds of small kernels; replaying a captured graph removes their
-launch overhead, which dominates at small batch. Every graph reads its inputs from the same
-static buffers and shares one memory pool. Attention is captured with ``max_seqlen_k`` fixed at
-``max_model_len``: the decode kernel sizes its KV partitions from it and skips the partitions
-beyond each sequence's real length, so one graph serves every context length.
+A step launches hundreds of small kernels; replaying a captured graph removes their launch
+overhead, which dominates at small batch (decode) and for short prompts (time to first token).
+Every graph reads its inputs from the same static buffers and shares one memory pool. Decode
+attention is captured with ``max_seqlen_k`` fixed at ``max_model_len``: the decode kernel sizes
+its KV partitions from it and skips the partitions beyond each sequence's real length, so one
+graph serves every context length. A prefill graph of T tokens serves prompts of up to T tokens
+that start at position 0: padded rows write no KV and no later row reads them.
 """
 
 from __future__ import annotations
@@ -27,70 +30,124 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
     return capped + [max_num_seqs]
 
 
-class DecodeGraphs:
+PREFILL_SIZES = (16, 32, 64, 128, 256, 512)
+
+
+class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
+        self.block_size = block_size
         self.batch_sizes = batch_size_ladder(max_num_seqs)
+        self.prefill_sizes = [t for t in PREFILL_SIZES if t < max_model_len]
         max_bs = self.batch_sizes[-1]
+        max_tokens = max(max_bs, *self.prefill_sizes)
         max_blocks = -(-max_model_len // block_size)
         on = {"device": device}
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, **on)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, **on)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, **on)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, **on)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, **on)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, **on)
+        self.prefill_cu_seqlens_q = torch.zeros(2, dtype=torch.int32, **on)
+        self.last_index = torch.zeros(1, dtype=torch.int64, **on)  # the prompt's last row
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, **on)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, **on)
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, **on)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # [bs, vocab] float32, written by replay
-        self.greedy_ids: dict[int, torch.Tensor] = {}  # [bs] argmax, for all-greedy batches
+        # keyed by ("decode", batch size) or ("prefill", token count)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[str, int], torch.Tensor] = {}  # [rows, vocab] float32
+        self.greedy_ids: dict[tuple[str, int], torch.Tensor] = {}  # [rows] argmax
         self.pool = None
         # pinned host mirrors of the per-step inputs: the host writes them, one async copy each
         pinned = {"pin_memory": True}
-        self.host_ids = torch.zeros(max_bs, dtype=torch.int64, **pinned)
-        self.host_positions = torch.zeros(max_bs, dtype=torch.int64, **pinned)
-        self.host_slots = torch.zeros(max_bs, dtype=torch.int64, **pinned)
+        self.host_ids = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
+        self.host_positions = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
+        self.host_slots = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
+        self.host_prefill = torch.zeros(3, dtype=torch.int64, **pinned)  # q_len, last row
         self.host_seq_lens = torch.ones(max_bs, dtype=torch.int32, **pinned)
         self.host_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, **pinned)
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _decode_meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_seqlen_q=1,
             max_seqlen_k=self.max_model_len, kv_caches=self.kv_caches, backend="triton")
 
-    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+    def _prefill_meta(self, num_tokens: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens], cu_seqlens_q=self.prefill_cu_seqlens_q,
+            seq_lens=self.seq_lens[:1], block_tables=self.block_tables[:1],
+            max_seqlen_q=num_tokens, max_seqlen_k=num_tokens, kv_caches=self.kv_caches,
+            backend="triton")
+
+    def _forward(self, key: tuple[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        kind, size = key
+        meta = self._decode_meta(size) if kind == "decode" else self._prefill_meta(size)
+        hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+        if kind == "prefill":
+            hidden = hidden.index_select(0, self.last_index)
         logits = self.model.compute_logits(hidden)
         return logits, logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Capture every batch size, largest first so smaller graphs reuse its pool memory."""
+        """Capture every size, largest first so smaller graphs reuse its pool memory."""
         start = time.perf_counter()
-        for bs in reversed(self.batch_sizes):
-            self._forward(bs)  # warm-up: Triton compiles, cuBLAS picks its kernels
+        keys = [("prefill", t) for t in reversed(self.prefill_sizes)] + \
+            [("decode", bs) for bs in reversed(self.batch_sizes)]
+        self.prefill_cu_seqlens_q[1] = 1
+        for key in keys:
+            self._forward(key)  # warm-up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bs], self.greedy_ids[bs] = self._forward(bs)
+                self.logits[key], self.greedy_ids[key] = self._forward(key)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        log.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.graphs),
-                 self.batch_sizes[-1], seconds)
+        log.info("captured %d CUDA graphs (decode batch 1..%d, prefill up to %d tokens) in "
+                 "%.1f s", len(self.graphs), self.batch_sizes[-1],
+                 max(self.prefill_sizes, default=0), seconds)
         return seconds
 
     def fits(self, num_seqs: int) -> bool:
         return bool(self.graphs) and num_seqs <= self.batch_sizes[-1]
 
-    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]],
-            block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def fits_prefill(self, num_tokens: int) -> bool:
+        return bool(self.prefill_sizes) and num_tokens <= self.prefill_sizes[-1]
+
+    def run_prefill(self, tokens: list[int], table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One prompt from position 0: (logits [1, vocab], argmax [1]) at its last token."""
+        n = len(tokens)
+        size = next(t for t in self.prefill_sizes if t >= n)
+        bs = self.block_size
+        self.host_ids[:n] = torch.tensor(tokens)
+        self.host_positions[:size] = torch.arange(size)
+        slots = torch.tensor(table, dtype=torch.int64).repeat_interleave(bs)[:n] * bs \
+            + torch.arange(n) % bs
+        self.host_slots[:n] = slots
+        self.host_slots[n:size] = -1
+        self.host_seq_lens[0] = n
+        self.host_prefill[0], self.host_prefill[1] = n, n - 1
+        self.host_tables[0, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        for dst, src in ((self.input_ids, self.host_ids), (self.positions, self.host_positions),
+                         (self.slot_mapping, self.host_slots)):
+            dst[:size].copy_(src[:size], non_blocking=True)
+        self.seq_lens[:1].copy_(self.host_seq_lens[:1], non_blocking=True)
+        self.prefill_cu_seqlens_q[1:].copy_(self.host_prefill[:1], non_blocking=True)
+        self.last_index.copy_(self.host_prefill[1:2], non_blocking=True)
+        self.block_tables[:1, : len(table)].copy_(self.host_tables[:1, : len(table)],
+                                                  non_blocking=True)
+        key = ("prefill", size)
+        self.graphs[key].replay()
+        return self.logits[key], self.greedy_ids[key]
+
+    def run(self, tokens: list[int], positions: list[int],
+            tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest graph holding the batch: (logits [n, vocab], argmax ids [n]).
 
         Sequence i feeds ``tokens[i]`` at ``positions[i]`` and reads blocks ``tables[i]``;
@@ -99,8 +156,8 @@ class DecodeGraphs:
         n = len(tokens)
         bs = next(s for s in self.batch_sizes if s >= n)
         width = max(len(t) for t in tables)
-        slots = [t[p // block_size] * block_size + p % block_size
-                 for t, p in zip(tables, positions, strict=True)]
+        bsz = self.block_size
+        slots = [t[p // bsz] * bsz + p % bsz for t, p in zip(tables, positions, strict=True)]
         self.host_ids[:n] = torch.tensor(tokens)
         self.host_positions[:n] = torch.tensor(positions)
         self.host_slots[:n] = torch.tensor(slots)
@@ -115,5 +172,6 @@ class DecodeGraphs:
                          (self.seq_lens, self.host_seq_lens)):
             dst[:bs].copy_(src[:bs], non_blocking=True)
         self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
-        self.graphs[bs].replay()
-        return self.logits[bs][:n], self.greedy_ids[bs][:n]
+        key = ("decode", bs)
+        self.graphs[key].replay()
+        return self.logits[key][:n], self.greedy_ids[key][:n]

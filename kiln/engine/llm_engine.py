@@ -64,7 +64,7 @@ class LLMEngine:
         self.startup_seconds = {"load_weights": self.loaded.load_seconds,
                                 "warm_up_size_and_allocate_kv": time.perf_counter() - start}
         if self.backend == "triton" and not config.enforce_eager:
-            self.startup_seconds["capture_cuda_graphs"] = self.runner.capture_decode_graphs(
+            self.startup_seconds["capture_cuda_graphs"] = self.runner.capture_graphs(
                 config.scheduler.max_num_seqs, self.max_model_len)
         log.info("start-up: %s", ", ".join(f"{k} {v:.1f} s"
                                             for k, v in self.startup_seconds.items()))

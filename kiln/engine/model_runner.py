@@ -15,7 +15,7 @@ import torch
 
 from kiln.cache.kv_cache import KVCache
 from kiln.cache.kv_cache_manager import KVCacheManager
-from kiln.engine.cuda_graphs import DecodeGraphs
+from kiln.engine.cuda_graphs import StepGraphs
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kiln.engine.sequence import Sequence
@@ -58,12 +58,12 @@ class ModelRunner:
         self.backend = attention_backend
         self.sampler = Sampler()
         self.kv_caches = list(zip(kv_cache.k_caches, kv_cache.v_caches, strict=True))
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
-        """Enable CUDA-graph decode (CUDA + Triton attention only); returns capture seconds."""
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len,
-                                   self.block_size, self.device)
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Enable CUDA graphs (CUDA + Triton attention only); returns capture seconds."""
+        self.graphs = StepGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len,
+                                 self.block_size, self.device)
         return self.graphs.capture()
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
@@ -125,6 +125,8 @@ class ModelRunner:
         self.apply_cache_ops(out)
         if self._graph_step(out.scheduled):
             return self._graph_decode(out.scheduled)
+        if self._graph_prefill_step(out.scheduled):
+            return self._graph_prefill(out.scheduled[0])
         # single-token rows first, so attention can send them to the decode kernel
         scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
         batch = self.prepare(scheduled)
@@ -146,18 +148,36 @@ class ModelRunner:
         return (self.graphs is not None and self.graphs.fits(len(scheduled))
                 and all(item.num_new_tokens == 1 and item.samples for item in scheduled))
 
-    def _graph_decode(self, scheduled: list[ScheduledSeq]) -> StepResult:
-        """A pure decode step through the captured graphs; plain greedy batches use the argmax
-        computed inside the graph and skip the sampler altogether."""
-        positions = [item.seq.num_computed_tokens for item in scheduled]
-        tokens = [item.seq.token_slice(p, p + 1)[0] for item, p in zip(scheduled, positions,
-                                                                        strict=True)]
-        tables = [self.kv.block_table(item.seq.seq_id) for item in scheduled]
-        logits, greedy_ids = self.graphs.run(tokens, positions, tables, self.block_size)
+    def _graph_prefill_step(self, scheduled: list[ScheduledSeq]) -> bool:
+        """A whole short prompt alone in the step, from position 0 (the batch-1 first token)."""
+        if self.graphs is None or len(scheduled) != 1:
+            return False
+        item = scheduled[0]
+        return (item.seq.num_computed_tokens == 0 and item.samples
+                and item.request.prompt_logprobs is None
+                and self.graphs.fits_prefill(item.num_new_tokens))
+
+    def _graph_prefill(self, item: ScheduledSeq) -> StepResult:
+        tokens = item.seq.token_slice(0, item.num_new_tokens)
+        logits, greedy_ids = self.graphs.run_prefill(tokens, self.kv.block_table(item.seq.seq_id))
+        return self._graph_result([item], logits, greedy_ids)
+
+    def _graph_result(self, scheduled: list[ScheduledSeq], logits: torch.Tensor,
+                      greedy_ids: torch.Tensor) -> StepResult:
+        """Plain greedy batches take the argmax computed inside the graph (no sampler)."""
         if all(item.request.forked and _plain_greedy(item.seq.params) for item in scheduled):
             seqs = [item.seq for item in scheduled]
             return StepResult(seqs, [item.request for item in scheduled], greedy_ids, None, [])
         return self._sample(logits, [(item, row) for row, item in enumerate(scheduled)], [])
+
+    def _graph_decode(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        """A pure decode step through the captured graphs."""
+        positions = [item.seq.num_computed_tokens for item in scheduled]
+        tokens = [item.seq.token_slice(p, p + 1)[0] for item, p in zip(scheduled, positions,
+                                                                        strict=True)]
+        tables = [self.kv.block_table(item.seq.seq_id) for item in scheduled]
+        logits, greedy_ids = self.graphs.run(tokens, positions, tables)
+        return self._graph_result(scheduled, logits, greedy_ids)
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledSeq, int]],
                 prompt_lps: list[tuple[ScheduledSeq, LogprobsTensors]]) -> StepResult:

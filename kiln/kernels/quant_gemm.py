@@ -137,18 +137,23 @@ def _wint_gemm_kernel(
 #     sum_k (u_k - z) s x_k = s (2^BITS sum_k f_k x_k - (2^BITS + z) sum_k x_k),
 # where sum_k x_k is shared by all rows: per code a shift, an and/or and one FMA.
 #
-# CUDA-core kernel layout (checked in the TTGIR, no layout conversion inside the K loop): a tile
-# is [BLOCK_N rows, BLOCK_KW words]; lane l of warp v owns word column 32 v + l of every row of
-# the tile, so each warp load reads 128 contiguous bytes of one row, and the thread's x values
-# (the PER_WORD inputs of its column) are one 16-byte load, reused by all BLOCK_N rows. The word
-# offsets carry a max_contiguous(1) hint: without it Triton gives each thread 4 consecutive
-# words (16-byte weight loads) and then has to move x between layouts through shared memory
-# for every code position.
+# CUDA-core kernel layout (checked in the TTGIR and SASS: no layout conversion, no shared memory
+# inside the K loop): a tile is [BLOCK_N rows, BLOCK_KW = 512 words] and lane l of warp v loads
+# words 4 c .. 4 c + 3 (one 16-byte vector, c = 32 v + l) of every row: each warp load reads 512
+# contiguous bytes of a row. The tile is split in registers into 4 planes [BLOCK_N, 128] (word
+# 4 c + a), and x for plane a is one 16-byte load per thread of the PER_WORD inputs of word
+# 4 c + a, split in registers into PER_WORD vectors: all of them in the layout of the planes,
+# and every x value serves BLOCK_N rows. A thread's 4 words lie in one scale group (group
+# sizes are multiples of 4 words), so a group scale is loaded and applied once per row per
+# tile.
 
 
 @triton.jit
-def _decode(words, j: tl.constexpr, BITS: tl.constexpr, W_FP8: tl.constexpr):
-    """Code j of int32 words as float32: FP8 codes -> their value, integer u -> 1 + u / 2^BITS."""
+def _decode(words, j: tl.constexpr, BITS: tl.constexpr, W_FP8: tl.constexpr, one=0x3F800000):
+    """Code j of int32 words as float32: FP8 codes -> their value, integer u -> 1 + u / 2^BITS.
+
+    ``one``: the bits of 1.0f (0x3F800000), best passed as a run-time value (see the FMA kernel).
+    """
     if W_FP8:
         byte = ((words >> (8 * j)) & 0xFF).to(tl.int8)
         return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -157,32 +162,75 @@ def _decode(words, j: tl.constexpr, BITS: tl.constexpr, W_FP8: tl.constexpr):
         t = words << (23 - BITS - BITS * j)
     else:
         t = words >> (BITS * j + BITS - 23)
-    return ((t & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
+    return ((t & (((1 << BITS) - 1) << (23 - BITS))) | one).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _x_plane(x_row, x_planes, perm_ptr, smooth_ptr, cols, c_mask, j: tl.constexpr,
-             PER_WORD: tl.constexpr, HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):  # fmt: skip
-    """xs[PER_WORD c + j] for the word columns c (float32): x[perm[k]] * smooth[k] in x's dtype."""
-    k = cols * PER_WORD + j
-    if HAS_PERM:
-        src = tl.load(perm_ptr + k, mask=c_mask, other=0)
-        x = tl.load(x_row + src, mask=c_mask, other=0.0)
-    else:
-        x = x_planes
-    if HAS_SMOOTH:
-        sm = tl.load(smooth_ptr + k, mask=c_mask, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) * sm).to(x_row.dtype.element_ty)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _fma_code(p, xs, packed, x_row, xj, perm_ptr, smooth_ptr, cols, c_mask, j: tl.constexpr,
+def _fma_code(one, p, xs, words, x_row, xj, perm_ptr, smooth_ptr, cols, c_mask, j: tl.constexpr,
               BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_PERM: tl.constexpr,
-              HAS_SMOOTH: tl.constexpr):  # fmt: skip
-    x = _x_plane(x_row, xj, perm_ptr, smooth_ptr, cols, c_mask, j, 32 // BITS, HAS_PERM,
-                 HAS_SMOOTH)  # fmt: skip
-    return p + _decode(packed, j, BITS, W_FP8) * x[None, :], xs + x
+              HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """p += code j of ``words`` * xs[PER_WORD cols + j]; xs accumulates those inputs."""
+    k = cols * (32 // BITS) + j
+    if HAS_PERM:  # GPTQ act-order: gather x
+        if EVEN_K:
+            xj = tl.load(x_row + tl.load(perm_ptr + k))
+        else:
+            xj = tl.load(x_row + tl.load(perm_ptr + k, mask=c_mask, other=0), mask=c_mask,
+                         other=0.0)  # fmt: skip
+    if HAS_SMOOTH:  # AWQ: x * smooth, rounded to x's dtype as in the reference
+        if EVEN_K:
+            sm = tl.load(smooth_ptr + k).to(tl.float32)
+        else:
+            sm = tl.load(smooth_ptr + k, mask=c_mask, other=0.0).to(tl.float32)
+        xj = (xj.to(tl.float32) * sm).to(x_row.dtype.element_ty)
+    x = xj.to(tl.float32)
+    return p + _decode(words, j, BITS, W_FP8, one) * x[None, :], xs + x
+
+
+@triton.jit
+def _fma_word_plane(one, p, xs, words, x_row, perm_ptr, smooth_ptr, cols, c_mask,
+                    BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_PERM: tl.constexpr,
+                    HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr,
+                    BLOCK_C: tl.constexpr):  # fmt: skip
+    """All codes of a plane of words [BLOCK_N, BLOCK_C] (word index ``cols``) against x."""
+    if HAS_PERM:  # gathered per code in _fma_code
+        z = tl.zeros([BLOCK_C], x_row.dtype.element_ty)
+        x0, x1, x2, x3, x4, x5, x6, x7 = z, z, z, z, z, z, z, z
+    elif BITS == 4:  # the 8 inputs of each word: one 16-byte load, split in registers
+        x_ptrs = x_row + cols[:, None] * 8 + tl.arange(0, 8)[None, :]
+        xw = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=c_mask[:, None], other=0.0)
+        xe, xo = tl.split(tl.reshape(xw, [BLOCK_C, 4, 2]))
+        xe0, xe1 = tl.split(tl.reshape(xe, [BLOCK_C, 2, 2]))
+        xo0, xo1 = tl.split(tl.reshape(xo, [BLOCK_C, 2, 2]))
+        x0, x4 = tl.split(xe0)
+        x2, x6 = tl.split(xe1)
+        x1, x5 = tl.split(xo0)
+        x3, x7 = tl.split(xo1)
+    else:
+        x_ptrs = x_row + cols[:, None] * 4 + tl.arange(0, 4)[None, :]
+        xw = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=c_mask[:, None], other=0.0)
+        xe, xo = tl.split(tl.reshape(xw, [BLOCK_C, 2, 2]))
+        x0, x2 = tl.split(xe)
+        x1, x3 = tl.split(xo)
+        x4, x5, x6, x7 = x0, x1, x2, x3  # unused
+    p, xs = _fma_code(one, p, xs, words, x_row, x0, perm_ptr, smooth_ptr, cols, c_mask, 0,
+                      BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+    p, xs = _fma_code(one, p, xs, words, x_row, x1, perm_ptr, smooth_ptr, cols, c_mask, 1,
+                      BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+    p, xs = _fma_code(one, p, xs, words, x_row, x2, perm_ptr, smooth_ptr, cols, c_mask, 2,
+                      BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+    p, xs = _fma_code(one, p, xs, words, x_row, x3, perm_ptr, smooth_ptr, cols, c_mask, 3,
+                      BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+    if BITS == 4:
+        p, xs = _fma_code(one, p, xs, words, x_row, x4, perm_ptr, smooth_ptr, cols, c_mask, 4,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+        p, xs = _fma_code(one, p, xs, words, x_row, x5, perm_ptr, smooth_ptr, cols, c_mask, 5,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+        p, xs = _fma_code(one, p, xs, words, x_row, x6, perm_ptr, smooth_ptr, cols, c_mask, 6,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+        p, xs = _fma_code(one, p, xs, words, x_row, x7, perm_ptr, smooth_ptr, cols, c_mask, 7,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+    return p, xs
 
 
 @triton.jit
@@ -192,7 +240,7 @@ def _wq_gemv_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
-    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr,
+    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
 ):  # fmt: skip
     """CUDA-core GEMV: y[m, n] for the row m = program_id(2) of x, FMAs in float32.
@@ -202,63 +250,46 @@ def _wq_gemv_kernel(
     weight reads after the first come from L2): 3-D tensors with an M axis made Triton shuffle
     the weights between layouts.
     """
+    BLOCK_C: tl.constexpr = BLOCK_KW // 4
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.max_contiguous(tl.arange(0, BLOCK_KW), 1)  # 4-byte loads: see the notes above
+    offs_w = tl.arange(0, BLOCK_KW)
+    offs_c = tl.arange(0, BLOCK_C) * 4  # first word of each thread's 4
     n_mask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    rows = tl.minimum(offs_n, N - 1)  # clamped instead of masked: no predicated loads
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + pid_m * stride_xm
-    acc = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
-    xacc = tl.zeros([BLOCK_KW], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+    xacc = tl.zeros([BLOCK_C], tl.float32)
+    # the bits of 1.0f as a run-time value (KW > 0): as an immediate, ptxas re-materializes it
+    # before every decode's and/or (about 0.6 more instructions per code)
+    one = (KW >> 31) + 0x3F800000
     kw_begin = pid_k * kw_per_split
     for kw0 in range(kw_begin, tl.minimum(kw_begin + kw_per_split, KW), BLOCK_KW):
         cols = kw0 + offs_w
-        c_mask = cols < KW
-        packed = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0)
-        p = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32) if WPG > 0 else acc
-        xs = tl.zeros([BLOCK_KW], tl.float32)
-        if HAS_PERM:  # gathered per code position inside _x_plane
-            x0, x1, x2, x3, x4, x5, x6, x7 = xs, xs, xs, xs, xs, xs, xs, xs
-        elif BITS == 4:  # the 8 inputs of each word: one 16-byte load, split in registers
-            xw = tl.load(x_row + cols[:, None] * 8 + tl.arange(0, 8)[None, :],
-                         mask=c_mask[:, None], other=0.0)  # fmt: skip
-            xe, xo = tl.split(tl.reshape(xw, [BLOCK_KW, 4, 2]))
-            xe0, xe1 = tl.split(tl.reshape(xe, [BLOCK_KW, 2, 2]))
-            xo0, xo1 = tl.split(tl.reshape(xo, [BLOCK_KW, 2, 2]))
-            x0, x4 = tl.split(xe0)
-            x2, x6 = tl.split(xe1)
-            x1, x5 = tl.split(xo0)
-            x3, x7 = tl.split(xo1)
+        if EVEN_K:
+            packed = tl.load(w_rows + cols[None, :])
         else:
-            xw = tl.load(x_row + cols[:, None] * 4 + tl.arange(0, 4)[None, :],
-                         mask=c_mask[:, None], other=0.0)  # fmt: skip
-            xe, xo = tl.split(tl.reshape(xw, [BLOCK_KW, 2, 2]))
-            x0, x2 = tl.split(xe)
-            x1, x3 = tl.split(xo)
-        p, xs = _fma_code(p, xs, packed, x_row, x0, perm_ptr, smooth_ptr, cols, c_mask, 0,
-                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
-        p, xs = _fma_code(p, xs, packed, x_row, x1, perm_ptr, smooth_ptr, cols, c_mask, 1,
-                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
-        p, xs = _fma_code(p, xs, packed, x_row, x2, perm_ptr, smooth_ptr, cols, c_mask, 2,
-                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
-        p, xs = _fma_code(p, xs, packed, x_row, x3, perm_ptr, smooth_ptr, cols, c_mask, 3,
-                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
-        if BITS == 4:
-            p, xs = _fma_code(p, xs, packed, x_row, x4, perm_ptr, smooth_ptr, cols, c_mask, 4,
-                              BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
-            p, xs = _fma_code(p, xs, packed, x_row, x5, perm_ptr, smooth_ptr, cols, c_mask, 5,
-                              BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
-            p, xs = _fma_code(p, xs, packed, x_row, x6, perm_ptr, smooth_ptr, cols, c_mask, 6,
-                              BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
-            p, xs = _fma_code(p, xs, packed, x_row, x7, perm_ptr, smooth_ptr, cols, c_mask, 7,
-                              BITS, W_FP8, HAS_PERM, HAS_SMOOTH)  # fmt: skip
+            packed = tl.load(w_rows + cols[None, :], mask=(cols < KW)[None, :], other=0)
+        we, wo = tl.split(tl.reshape(packed, [BLOCK_N, BLOCK_C, 2, 2]))
+        w0, w2 = tl.split(we)
+        w1, w3 = tl.split(wo)
+        c0 = kw0 + offs_c
+        p = tl.zeros([BLOCK_N, BLOCK_C], tl.float32) if WPG > 0 else acc
+        xs = tl.zeros([BLOCK_C], tl.float32)
+        p, xs = _fma_word_plane(one, p, xs, w0, x_row, perm_ptr, smooth_ptr, c0, c0 < KW,
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
+        p, xs = _fma_word_plane(one, p, xs, w1, x_row, perm_ptr, smooth_ptr, c0 + 1, c0 + 1 < KW,
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
+        p, xs = _fma_word_plane(one, p, xs, w2, x_row, perm_ptr, smooth_ptr, c0 + 2, c0 + 2 < KW,
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
+        p, xs = _fma_word_plane(one, p, xs, w3, x_row, perm_ptr, smooth_ptr, c0 + 3, c0 + 3 < KW,
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
         if WPG > 0:  # scale this tile's partial sums: acc += s (2^BITS p - (2^BITS + z) xs)
-            g = cols // WPG
-            wk_mask = n_mask[:, None] & c_mask[None, :]
-            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=wk_mask, other=0.0)
+            g = tl.minimum(c0, KW - 1) // WPG  # masked columns have p = xs = 0
+            s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :])
             if HAS_ZEROS:
-                z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wk_mask,
-                            other=0)  # fmt: skip
+                z = tl.load(z_ptr + rows[:, None] * stride_zn + g[None, :])
                 zx = (z.to(tl.float32) + CODE_SCALE) * xs[None, :]
             else:
                 zx = ((CODE_SCALE + ZERO_SYM) * xs)[None, :]
@@ -266,14 +297,14 @@ def _wq_gemv_kernel(
         else:
             acc = p
             xacc += xs
-    s = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + rows * stride_sn).to(tl.float32)
     if WPG > 0:
         y = tl.sum(acc, axis=1)
     elif W_FP8:
         y = tl.sum(acc, axis=1) * s
     else:
         if HAS_ZEROS:
-            zc = tl.load(z_ptr + offs_n * stride_zn, mask=n_mask, other=0).to(tl.float32)
+            zc = tl.load(z_ptr + rows * stride_zn).to(tl.float32)
             zc = zc + CODE_SCALE
         else:
             zc = CODE_SCALE + ZERO_SYM
@@ -292,7 +323,7 @@ def _wq_gemv_mma_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
-    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr,
+    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
 ):  # fmt: skip
     """Tensor-core variant (swap AB): out^T[n, m] += W_j[n, w] x[m, PER_WORD w + j]^T per code j.
@@ -361,6 +392,74 @@ def _wq_gemv_mma_kernel(
         tl.atomic_add(out_ptrs, acc, mask=out_mask)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _join_codes(v0, v1, v2, v3, v4, v5, v6, v7, PER_WORD: tl.constexpr):
+    """[..., PER_WORD] with element j = v_j (code j of a word), joined in registers."""
+    if PER_WORD == 8:
+        e = tl.join(tl.join(v0, v4), tl.join(v2, v6))  # [..., 2, 2]: v_(4 a + 2 b)
+        o = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+        return tl.join(e, o)  # [..., 2, 2, 2]: v_(4 a + 2 b + c)
+    else:
+        return tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [..., 2, 2]: v_(2 a + b)
+
+
+@triton.jit
+def _dequant_code(packed, j: tl.constexpr, s, zc, BITS: tl.constexpr, W_FP8: tl.constexpr,
+                  CODE_SCALE: tl.constexpr, dt: tl.constexpr):  # fmt: skip
+    """(u - z) s (FP8: f s) in float32, rounded to dt: exactly the reference's rounding."""
+    f = _decode(packed, j, BITS, W_FP8)
+    if W_FP8:
+        return (f * s).to(dt)
+    return ((f * CODE_SCALE - zc) * s).to(dt)  # f 2^BITS - 2^BITS - z = u - z exactly
+
+
+@triton.jit
+def _wq_dequant_kernel(
+    w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, out_ptr,
+    N, KW, stride_wn, stride_sn, stride_zn, stride_on,
+    BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
+    ZERO_SYM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+):  # fmt: skip
+    """Dense W_eff[n, perm[k]] = (u - z) s smooth[k] from the int32 words (16-byte loads); the
+    codes of a word are joined in registers so that the stores are contiguous."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    dt = out_ptr.dtype.element_ty
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.program_id(1) * BLOCK_KW + tl.arange(0, BLOCK_KW)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)[:, None]
+    mask = n_mask[:, None] & (offs_w < KW)[None, :]
+    packed = tl.load(w_ptr + rows * stride_wn + offs_w[None, :], mask=mask, other=0)
+    g = offs_w // WPG if WPG > 0 else offs_w * 0
+    s = tl.load(s_ptr + rows * stride_sn + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zc = tl.load(z_ptr + rows * stride_zn + g[None, :], mask=mask, other=0)
+        zc = zc.to(tl.float32) + CODE_SCALE
+    else:
+        zc = CODE_SCALE + ZERO_SYM
+    v0 = _dequant_code(packed, 0, s, zc, BITS, W_FP8, CODE_SCALE, dt)
+    v1 = _dequant_code(packed, 1, s, zc, BITS, W_FP8, CODE_SCALE, dt)
+    v2 = _dequant_code(packed, 2, s, zc, BITS, W_FP8, CODE_SCALE, dt)
+    v3 = _dequant_code(packed, 3, s, zc, BITS, W_FP8, CODE_SCALE, dt)
+    if PER_WORD == 8:
+        v4 = _dequant_code(packed, 4, s, zc, BITS, W_FP8, CODE_SCALE, dt)
+        v5 = _dequant_code(packed, 5, s, zc, BITS, W_FP8, CODE_SCALE, dt)
+        v6 = _dequant_code(packed, 6, s, zc, BITS, W_FP8, CODE_SCALE, dt)
+        v7 = _dequant_code(packed, 7, s, zc, BITS, W_FP8, CODE_SCALE, dt)
+    else:
+        v4, v5, v6, v7 = v0, v1, v2, v3  # unused
+    w = tl.reshape(_join_codes(v0, v1, v2, v3, v4, v5, v6, v7, PER_WORD),
+                   [BLOCK_N, BLOCK_KW * PER_WORD])  # fmt: skip
+    offs_k = tl.program_id(1) * (BLOCK_KW * PER_WORD) + tl.arange(0, BLOCK_KW * PER_WORD)
+    k_mask = offs_k < KW * PER_WORD
+    if HAS_SMOOTH:  # round W as the fused path does, then apply smooth
+        sm = tl.load(smooth_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        w = (w.to(tl.float32) * sm[None, :]).to(dt)
+    dst_k = tl.load(perm_ptr + offs_k, mask=k_mask, other=0) if HAS_PERM else offs_k
+    tl.store(out_ptr + rows * stride_on + dst_k[None, :], w, mask=n_mask[:, None] & k_mask[None, :])
 
 
 @triton.jit
@@ -438,7 +537,7 @@ def _gemv_config(m: int, n: int, k: int, bits: int, device: torch.device) -> Gem
     """
     kw = k * bits // 32
     if m <= GEMV_FMA_MAX_M:
-        cfg = GemvConfig(1, 16, 128, num_warps=4)
+        cfg = GemvConfig(1, 8, 512, num_warps=4)
     else:
         cfg = GemvConfig(16, 64, 32, num_warps=4, mma=True)
     tiles = -(-n // cfg.block_n)
@@ -475,9 +574,9 @@ def _gemv_launch(
     m, k = x.shape
     n, kw = words.shape
     per_word = 32 // bits
-    assert group >= k or group % per_word == 0, f"group {group}: not a whole number of words"
-    wpg = 0 if group >= k else group // per_word  # scales are looked up per word
-    block_kw = min(cfg.block_kw, next_power_of_2(kw))
+    wpg = 0 if group >= k else group // per_word  # scales are looked up per 4 words
+    block_kw = max(min(cfg.block_kw, next_power_of_2(kw)), 4)
+    assert wpg % 4 == 0, f"group {group}: the kernels need groups of whole 4-word vectors"
     split = max(1, min(cfg.split_k, -(-kw // block_kw)))
     kw_per_split = -(-kw // (split * block_kw)) * block_kw
     atomic = split > 1
@@ -496,7 +595,7 @@ def _gemv_launch(
         BITS=bits, W_FP8=w_fp8, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None,
         HAS_SMOOTH=smooth is not None, WPG=wpg, CODE_SCALE=float(2**bits),
         ZERO_SYM=float(2 ** (bits - 1)),
-        ATOMIC=atomic, BLOCK_M=block_m,
+        ATOMIC=atomic, EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -529,7 +628,7 @@ def wint_gemm_triton(
         return torch.empty(0, n, device=x.device, dtype=x.dtype)
     words = _words(qweight, bits)
     use_gemv = isinstance(config, GemvConfig) or (config is None and m <= SMALL_M)
-    if use_gemv and words is not None and group % (32 // bits) == 0:
+    if use_gemv and words is not None and (group >= k or group % (128 // bits) == 0):
         cfg = config if isinstance(config, GemvConfig) else _gemv_config(m, n, k, bits, x.device)
         return _gemv_launch(
             x, words, scales, zeros, bits, group, perm, smooth, qweight.dtype == FP8_DTYPE, cfg
@@ -575,6 +674,22 @@ def wint_dequant_triton(
     n = scales.shape[0]
     k = qweight.shape[1] * (8 if bits == 4 else 1)
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    words = _words(qweight, bits)
+    group = k if group_size <= 0 else group_size
+    if words is not None and (group >= k or group % (32 // bits) == 0):
+        kw = words.shape[1]
+        block_n, block_kw = 16, min(64, next_power_of_2(kw))
+        _wq_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(kw, block_kw))](
+            words, scales, zeros if zeros is not None else scales, perm if perm is not None
+            else scales, smooth if smooth is not None else scales, out,
+            n, kw, words.stride(0), scales.stride(0),
+            zeros.stride(0) if zeros is not None else 0, out.stride(0),
+            BITS=bits, W_FP8=qweight.dtype == FP8_DTYPE, HAS_ZEROS=zeros is not None,
+            HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None,
+            WPG=0 if group >= k else group * bits // 32, CODE_SCALE=float(2**bits),
+            ZERO_SYM=float(2 ** (bits - 1)), BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=4,
+        )  # fmt: skip
+        return out
     block_n, block_k = 32, 128
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     _wint_dequant_kernel[grid](

@@ -100,6 +100,11 @@ def test_engine_triton_backend_and_graphs_match_torch_backend():
     fast = _engine_run("kiln-tiny", "triton", prompts, with_lps)  # CUDA graphs for decode
     # plain greedy (no logprobs) takes the argmax captured inside the graph: same tokens
     assert _engine_tokens("kiln-tiny", "triton", prompts, params) == [c.token_ids for c in fast]
+    # one request at a time: short prompts take the captured prefill graphs
+    alone = [_engine_run("kiln-tiny", "triton", [p], [sp])[0]
+             for p, sp in zip(prompts[:8], with_lps[:8], strict=True)]
+    fast_alone = fast[:8]
+    assert _match_rate([c.token_ids for c in fast_alone], [c.token_ids for c in alone]) >= 0.9
     rate = _match_rate([c.token_ids for c in eager], [c.token_ids for c in fast])
     report("engine_triton_graphs_vs_torch_bf16_token_match", rate)
     gaps = []

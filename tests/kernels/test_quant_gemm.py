@@ -103,10 +103,17 @@ def test_fused_triton(case, m, dtype):
     check(qg.wint_gemm_triton, m, 40, 256, case, dtype, seed=m, extras=case[1] != 64)
 
 
-CONFIGS = [
+CONFIGS = [  # the tensor-core tile kernel (M > SMALL_M) with explicit tiles
     qg.GemmConfig(1, 16, 64, split_k=2),
     qg.GemmConfig(16, 32, 32, split_k=3),
     qg.GemmConfig(16, 16, 128),
+]
+GEMV_CONFIGS = [  # the small-M word-streaming kernels
+    qg.GemvConfig(1, 8, 16),  # FMA: 2 rows of x = 2 programs, K in 2 tiles
+    qg.GemvConfig(1, 4, 32),  # K = 24 or 48 words: a masked tail
+    qg.GemvConfig(1, 8, 8, split_k=3),  # split-K: atomics into float32
+    qg.GemvConfig(16, 16, 16, mma=True),  # tensor cores, M = 18: two row blocks
+    qg.GemvConfig(16, 32, 64, mma=True, split_k=2),
 ]
 
 
@@ -116,6 +123,16 @@ def test_fused_triton_configs(config):
     fn = lambda *a: qg.wint_gemm_triton(*a, config=config)
     fn.__name__ = "wint_gemm_triton"
     check(fn, 2 if config.block_m == 1 else 18, 33, 192, (4, 64, False, False), torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("config", GEMV_CONFIGS)
+@pytest.mark.parametrize("case", [(4, 64, False, False), (8, -1, True, False), (8, -1, True, True)])
+def test_gemv_configs(config, case):
+    fn = lambda *a: qg.wint_gemm_triton(*a, config=config)
+    fn.__name__ = "wint_gemm_triton"
+    m = 18 if config.mma else 2
+    check(fn, m, 33, 192, case, torch.float32, seed=config.block_kw, extras=case[1] != 64)
 
 
 @needs_triton
