@@ -39,7 +39,8 @@ fi
 if want latency; then
   stage "bench latency (batch 1, 8, 64; 128 in, 256 out; HF peer)"
   $K bench latency $M --gpu-memory-utilization 0.6 --batch-size 1,8,64 --input-len 128 --output-len 256 \
-    --num-iters 2 --peer hf --output-dir "$R/latency" > "$R/latency.log" 2>&1; tail -12 "$R/latency.log"
+    --num-iters 2 --peer "${LATENCY_PEER:-hf}" --output-dir "$R/latency" > "$R/latency.log" 2>&1
+  tail -12 "$R/latency.log"
 fi
 if want throughput; then
   stage "bench throughput 64 x 512/256 (HF peer), 512 x 512/256"
@@ -68,6 +69,8 @@ if want quantized; then
     $K bench latency $M --quantization $q --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 \
       --output-dir "$R/latency_$q" > "$R/latency_$q.log" 2>&1; tail -4 "$R/latency_$q.log"
   done
+  $K bench latency $M --kv-cache-dtype fp8 --batch-size 1,64 --input-len 128 --output-len 256 \
+    --num-iters 2 --output-dir "$R/latency_fp8kv" > "$R/latency_fp8kv.log" 2>&1; tail -5 "$R/latency_fp8kv.log"
   $K bench throughput $M --quantization fp8 --workload benchmarks/workloads/throughput-64x512x256.json \
     --output-dir "$R/throughput64_fp8" > "$R/throughput64_fp8.log" 2>&1; tail -6 "$R/throughput64_fp8.log"
 fi
