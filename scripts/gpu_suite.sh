@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call on the device machine (see ../shared/GPU.md):
-#   scripts/gpu_suite.sh [STAGES]   STAGES: comma list of tests,kernels,quant,latency,
-#                                   throughput,serve,profile,quantized (default: all)
+#   scripts/gpu_suite.sh [STAGES]   STAGES: comma list of tests,kernels,quant,reference,
+#                                   latency,throughput,serve,profile,quantized (default: all)
 # Writes everything under $OUT/suite (tarred to $OUT/suite.tgz at the end) and prints a summary.
 # Run from the repository root; kiln is used from the tree (PYTHONPATH=.), nothing is installed.
 set -uo pipefail
@@ -14,7 +14,7 @@ export KILN_GIT_COMMIT=${KILN_GIT_COMMIT:-$(cat .git-commit 2>/dev/null || echo 
 OUT=${OUT:-out/gpu}
 R=$OUT/suite
 mkdir -p "$R"
-STAGES=",${1:-tests,kernels,quant,latency,throughput,serve,profile,quantized},"
+STAGES=",${1:-tests,kernels,quant,reference,latency,throughput,serve,profile,quantized},"
 M="--model benchmarks/workloads/llama-3.1-8b --load-format dummy --max-model-len 4096"
 K="python3 -m kiln.cli"
 want() { [[ $STAGES == *",$1,"* ]]; }
@@ -35,6 +35,10 @@ fi
 if want quant; then
   stage "quant kernels"
   python3 benchmarks/gpu_quant.py --out "$R/quant.json" --sweep none > "$R/quant.txt" 2>&1; tail -25 "$R/quant.txt"
+fi
+if want reference; then
+  stage "reference generator batch-1 decode"
+  python3 benchmarks/reference_decode.py 2>&1 | grep -v "^INFO" | tee "$R/reference_decode.txt"
 fi
 if want latency; then
   stage "bench latency (batch 1, 8, 64; 128 in, 256 out; HF peer)"
