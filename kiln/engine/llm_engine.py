@@ -173,9 +173,8 @@ class LLMEngine:
                 # a block just filled up: hash it for prefix reuse (token_ids copies the list,
                 # so skip the call on the steps that complete no block)
                 self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        for item, lps in result.prompt_logprobs:
-            start = item.seq.num_computed_tokens - item.num_new_tokens
-            ids = item.request.prompt_token_ids[start:start + lps.token_logprobs.shape[0] + 1]
+        for item, first, lps in result.prompt_logprobs:
+            ids = item.request.prompt_token_ids[first:first + lps.token_logprobs.shape[0] + 1]
             item.request.prompt_logprobs += prompt_logprobs_to_dicts(
                 lps, ids, item.request.params.prompt_logprobs)[1:]
         apply_sampler_output(result.seqs, result.token_ids, result.logprobs)

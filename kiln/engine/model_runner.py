@@ -36,7 +36,7 @@ class StepResult:
     requests: list[Request]  # the request of each row
     token_ids: torch.Tensor  # [num_rows]
     logprobs: LogprobsTensors | None
-    prompt_logprobs: list[tuple[ScheduledSeq, LogprobsTensors]]
+    prompt_logprobs: list[tuple[ScheduledSeq, int, LogprobsTensors]]  # (item, position, lps)
 
 
 @dataclass
@@ -180,7 +180,7 @@ class ModelRunner:
         return self._graph_result(scheduled, logits, greedy_ids)
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledSeq, int]],
-                prompt_lps: list[tuple[ScheduledSeq, LogprobsTensors]]) -> StepResult:
+                prompt_lps: list[tuple[ScheduledSeq, int, LogprobsTensors]]) -> StepResult:
         """Sample each (item, logits row); a request's first sample forks into n sequences."""
         index, seqs, requests = [], [], []
         for item, row in rows:
@@ -198,24 +198,28 @@ class ModelRunner:
         return StepResult(seqs, requests, sampled.token_ids, sampled.logprobs, prompt_lps)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor,
-                         ends: np.ndarray) -> list[tuple[ScheduledSeq, LogprobsTensors]]:
+                         ends: np.ndarray) -> list[tuple[ScheduledSeq, int, LogprobsTensors]]:
+        """(item, first position, logprobs) for chunks covering prompt positions not yet scored.
+
+        Position p's logits score prompt token p + 1; a request has scored positions
+        [0, len(prompt_logprobs) - 1). A recompute after preemption resumes where that stops.
+        """
         results = []
         for item, end in zip(scheduled, ends, strict=True):
             request = item.request
-            start = item.seq.num_computed_tokens
-            num_prompt = len(request.prompt_token_ids)
-            # only the first pass over the prompt; a recompute after preemption adds nothing
-            if (request.prompt_logprobs is None or item.seq.index != 0
-                    or start + 1 != len(request.prompt_logprobs) or start >= num_prompt - 1):
+            if request.prompt_logprobs is None or item.seq.index != 0:
                 continue
-            stop = min(start + item.num_new_tokens, num_prompt - 1)
-            first = int(end) - item.num_new_tokens + 1
-            logits = self.model.compute_logits(hidden[first:first + stop - start])
-            ids = request.prompt_token_ids[start:stop + 1]
-            results.append((item, compute_prompt_logprobs(logits, ids,
-                                                          request.params.prompt_logprobs)))
+            start = item.seq.num_computed_tokens
+            first = len(request.prompt_logprobs) - 1  # the next position to score
+            stop = min(start + item.num_new_tokens, len(request.prompt_token_ids) - 1)
+            if not start <= first < stop:
+                continue
+            row = int(end) - item.num_new_tokens + 1 + (first - start)  # hidden row of `first`
+            logits = self.model.compute_logits(hidden[row:row + stop - first])
+            ids = request.prompt_token_ids[first:stop + 1]
+            results.append((item, first, compute_prompt_logprobs(
+                logits, ids, request.params.prompt_logprobs)))
         return results
-
 
 def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits first: the token is a plain argmax."""

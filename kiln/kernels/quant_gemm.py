@@ -7,10 +7,13 @@ u are 4-bit codes packed 8 per int32 along K (code k sits at bits 4 (k % 8) of w
 8-bit codes (uint8); z is 2^(bits-1) when the format is symmetric; G = K for per-channel scales.
 ``perm`` (GPTQ act-order) and ``smooth`` (AWQ) are optional per-input-channel gathers/scales.
 
-Two paths, picked by shape: the fused kernel (weights read once in their packed form: the
-decode path, M small) and, for large M where the GEMM is compute bound, one dequantization
-kernel into a dense weight followed by cuBLAS (the same math, ``W`` rounded to x.dtype). W8A8
-(FP8 / INT8 activations through cuBLAS) lives in ``kiln/quant/w8a8.py``.
+Three paths, picked by M: up to SMALL_M rows (decode) the word-streaming kernels below read the
+packed weights once as int32 words and dequantize in registers (a CUDA-core GEMV at M = 1, a
+tensor-core variant above); up to FUSED_MAX_M rows a tensor-core tile kernel; above, one
+dequantization kernel into a dense weight followed by cuBLAS (the same math, ``W`` rounded to
+x.dtype). The stored layout is kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): the
+kernels need no repacking. W8A8 (FP8 / INT8 activations through cuBLAS) lives in
+``kiln/quant/w8a8.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 # above this many rows dequantize-then-cuBLAS beats the fused kernel (benchmarks/gpu_quant.py)
 FUSED_MAX_M = {4: 128, 8: 64}
 SMALL_M = 16  # up to this many rows: the word-streaming kernels (_wq_gemv_*), decode batches
-GEMV_FMA_MAX_M = 1  # ... of which up to this many on CUDA-core FMAs, above on tensor cores
+GEMV_FMA_MAX_M = 4  # ... of which up to this many on CUDA-core FMAs, above on tensor cores
 
 
 @dataclass(frozen=True)
@@ -44,17 +47,19 @@ class GemvConfig:
     """The small-M path (M <= SMALL_M): packed weights streamed as int32 words, see below.
 
     A program owns ``block_n`` output rows and (split_k > 1: a 1/split_k share of) K, walked in
-    tiles of ``block_kw`` int32 words per row. ``mma``: tensor cores (tl.dot, M padded to 16)
-    instead of CUDA-core FMAs; ``block_m`` >= M (the FMA kernel keeps block_m accumulators).
+    tiles of ``block_kw`` int32 words per row. ``mma``: tensor cores (tl.dot over ``block_m``
+    rows of x, padded to 16) instead of the CUDA-core FMA kernel, which runs one row of x per
+    program and ignores ``block_m``.
     """
 
     block_m: int
     block_n: int
     block_kw: int
-    split_k: int = 1
+    split_k: int = 0  # 0: as few as keep the SMs busy (see _gemv_split)
     num_warps: int = 4
     mma: bool = False
     num_stages: int = 1
+    natural: bool = False  # mma: codes joined into input order, one dot per tile
 
 
 @triton.jit
@@ -243,7 +248,7 @@ def _wq_gemv_kernel(
     ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
 ):  # fmt: skip
-    """CUDA-core GEMV: y[m, n] for the row m = program_id(2) of x, FMAs in float32.
+    """CUDA-core GEMV: y[m, n] for the row m = program_id(0) of x, FMAs in float32.
 
     WPG: words per scale group (0: one group per row, applied after the K loop). w_ptr is the
     packed weight viewed as int32 [N, KW] (stride_wn in words). Rows of x are programs (their
@@ -251,7 +256,7 @@ def _wq_gemv_kernel(
     the weights between layouts.
     """
     BLOCK_C: tl.constexpr = BLOCK_KW // 4
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_KW)
     offs_c = tl.arange(0, BLOCK_C) * 4  # first word of each thread's 4
@@ -317,21 +322,53 @@ def _wq_gemv_kernel(
 
 
 @triton.jit
+def _mma_plane(packed, j: tl.constexpr, a, b, zc, one, BITS: tl.constexpr,
+               W_FP8: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
+               dt: tl.constexpr):  # fmt: skip
+    """W_j = (u - z) s (per-row scales: the exact integer u - z) of code j, in dtype dt."""
+    f = _decode(packed, j, BITS, W_FP8, one)
+    if W_FP8:
+        w = f
+    elif WPG > 0:
+        w = f * a - b  # f (2^BITS s) - (2^BITS + z) s: exact, as (u - z) s in float32
+    else:
+        w = f * CODE_SCALE - zc
+    return w.to(dt)
+
+
+@triton.jit
+def _mma_x(x_cols, perm_ptr, smooth_ptr, k, k_mask, m_mask, HAS_PERM: tl.constexpr,
+           HAS_SMOOTH: tl.constexpr):  # fmt: skip
+    """x^T [len(k), BLOCK_M]: xs[m, k] = x[m, perm[k]] * smooth[k] in x's dtype."""
+    src = tl.load(perm_ptr + k, mask=k_mask, other=0) if HAS_PERM else k
+    xt = tl.load(x_cols + src, mask=k_mask & m_mask[None, :], other=0.0)
+    if HAS_SMOOTH:
+        sm = tl.load(smooth_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        xt = (xt.to(tl.float32) * sm).to(xt.dtype)
+    return xt
+
+
+@triton.jit
 def _wq_gemv_mma_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, out_ptr,
     M, N, KW, kw_per_split,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
-    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
+    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, NATURAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
 ):  # fmt: skip
-    """Tensor-core variant (swap AB): out^T[n, m] += W_j[n, w] x[m, PER_WORD w + j]^T per code j.
+    """Tensor-core variant (swap AB): out^T[n, m] += W[n, k] x[m, k]^T.
 
-    W_j = (u - z) s is formed in registers (exact integers u - z when the scale is per row; it
-    is applied after the K loop) and rounded to x's dtype like the dequantized reference.
+    W_j = (u - z) s of each code position j is formed in registers (exact integers u - z when
+    the scale is per row; it is applied after the K loop) and rounded to x's dtype like the
+    dequantized reference. NATURAL: the PER_WORD planes are joined in registers into the
+    [BLOCK_N, PER_WORD BLOCK_KW] tile in input order, one dot against a contiguous x tile;
+    else one dot per code position against x[:, PER_WORD w + j] (strided loads).
     """
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    PER_WORD: tl.constexpr = 32 // BITS
+    dt = x_ptr.dtype.element_ty
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_KW)
@@ -339,7 +376,9 @@ def _wq_gemv_mma_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_cols = x_ptr + offs_m[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    if WPG == 0 and not W_FP8:  # per-row zero point: W_j = f 2^BITS - (2^BITS + z)
+    one = (KW >> 31) + 0x3F800000  # 1.0f as a run-time value: see _wq_gemv_kernel
+    zc = 0.0  # per-row zero point (per-channel scales): W_j = f 2^BITS - (2^BITS + z)
+    if WPG == 0 and not W_FP8:
         if HAS_ZEROS:
             zc = tl.load(z_ptr + offs_n * stride_zn, mask=n_mask, other=0).to(tl.float32)
             zc = (zc + CODE_SCALE)[:, None]
@@ -351,8 +390,7 @@ def _wq_gemv_mma_kernel(
         c_mask = cols < KW
         wk_mask = n_mask[:, None] & c_mask[None, :]
         packed = tl.load(w_rows + cols[None, :], mask=wk_mask, other=0)
-        x_mask = c_mask[:, None] & m_mask[None, :]
-        if WPG > 0:  # W_j = f (2^BITS s) - (2^BITS + z) s: exact, as (u - z) s in float32
+        if WPG > 0:
             g = cols // WPG
             s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=wk_mask, other=0.0)
             s = s.to(tl.float32)
@@ -362,27 +400,39 @@ def _wq_gemv_mma_kernel(
             else:
                 b = (CODE_SCALE + ZERO_SYM) * s
             a = s * CODE_SCALE
-        for j in tl.static_range(32 // BITS):
-            f = _decode(packed, j, BITS, W_FP8)
-            if W_FP8:
-                w = f
-            elif WPG > 0:
-                w = f * a - b
+        else:
+            a, b = 0.0, 0.0
+        if NATURAL:
+            w0 = _mma_plane(packed, 0, a, b, zc, one, BITS, W_FP8, WPG, CODE_SCALE, dt)
+            w1 = _mma_plane(packed, 1, a, b, zc, one, BITS, W_FP8, WPG, CODE_SCALE, dt)
+            w2 = _mma_plane(packed, 2, a, b, zc, one, BITS, W_FP8, WPG, CODE_SCALE, dt)
+            w3 = _mma_plane(packed, 3, a, b, zc, one, BITS, W_FP8, WPG, CODE_SCALE, dt)
+            if PER_WORD == 8:
+                w4 = _mma_plane(packed, 4, a, b, zc, one, BITS, W_FP8, WPG, CODE_SCALE, dt)
+                w5 = _mma_plane(packed, 5, a, b, zc, one, BITS, W_FP8, WPG, CODE_SCALE, dt)
+                w6 = _mma_plane(packed, 6, a, b, zc, one, BITS, W_FP8, WPG, CODE_SCALE, dt)
+                w7 = _mma_plane(packed, 7, a, b, zc, one, BITS, W_FP8, WPG, CODE_SCALE, dt)
             else:
-                w = f * CODE_SCALE - zc
-            k = (cols * (32 // BITS) + j)[:, None]
-            xt = tl.load(
-                x_cols + (tl.load(perm_ptr + k, mask=c_mask[:, None], other=0) if HAS_PERM else k),
-                mask=x_mask,
-                other=0.0,
-            )
-            if HAS_SMOOTH:
-                sm = tl.load(smooth_ptr + k, mask=c_mask[:, None], other=0.0).to(tl.float32)
-                xt = (xt.to(tl.float32) * sm).to(xt.dtype)
-            if xt.dtype == tl.float32:
+                w4, w5, w6, w7 = w0, w1, w2, w3  # unused
+            w = tl.reshape(_join_codes(w0, w1, w2, w3, w4, w5, w6, w7, PER_WORD),
+                           [BLOCK_N, BLOCK_KW * PER_WORD])  # fmt: skip
+            k = (kw0 * PER_WORD + tl.arange(0, BLOCK_KW * PER_WORD))[:, None]
+            xt = _mma_x(x_cols, perm_ptr, smooth_ptr, k, k < KW * PER_WORD, m_mask, HAS_PERM,
+                        HAS_SMOOTH)  # fmt: skip
+            if dt == tl.float32:
                 acc = tl.dot(w, xt, acc, input_precision="ieee")
             else:
-                acc = tl.dot(w.to(xt.dtype), xt, acc)
+                acc = tl.dot(w, xt, acc)
+        else:
+            for j in tl.static_range(PER_WORD):
+                w = _mma_plane(packed, j, a, b, zc, one, BITS, W_FP8, WPG, CODE_SCALE, dt)
+                k = (cols * PER_WORD + j)[:, None]
+                xt = _mma_x(x_cols, perm_ptr, smooth_ptr, k, c_mask[:, None], m_mask, HAS_PERM,
+                            HAS_SMOOTH)  # fmt: skip
+                if dt == tl.float32:
+                    acc = tl.dot(w, xt, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, xt, acc)
     if WPG == 0:
         s = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc * s[:, None]
@@ -528,26 +578,28 @@ def _default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> 
     return GemmConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps, cfg.num_stages)
 
 
-def _gemv_config(m: int, n: int, k: int, bits: int, device: torch.device) -> GemvConfig:
-    """Small-M heuristic (benchmarks/gpu_quant.py --sweep times the alternatives on an H100).
+def _gemv_config(m: int, n: int, k: int, bits: int, w_fp8: bool) -> GemvConfig:
+    """Small-M choice, from the H100 sweep in benchmarks/gpu_quant.py (results/h100/quant_*).
 
-    FMA kernel up to GEMV_FMA_MAX_M rows: [16 rows, 128 words] tiles give each thread 4 rows
-    x 16 bytes (one x load serves 4 rows) and 256 programs at N = 4096, enough for 132 SMs
-    without split-K. Above: the tensor-core kernel (the FMA count grows with M).
+    M <= GEMV_FMA_MAX_M: the FMA kernel, [8 rows, 512 words] tiles (each thread 8 rows x 16
+    bytes; one x load serves 8 rows), 512 programs per row of x at N = 4096, enough for 132 SMs
+    without split-K. Above, the tensor-core kernel (the FMA kernel decodes each weight once per
+    row of x).
     """
-    kw = k * bits // 32
     if m <= GEMV_FMA_MAX_M:
-        cfg = GemvConfig(1, 8, 512, num_warps=4)
-    else:
-        cfg = GemvConfig(16, 64, 32, num_warps=4, mma=True)
-    tiles = -(-n // cfg.block_n)
-    block_kw = min(cfg.block_kw, next_power_of_2(kw))
-    split = 1  # split-K (atomics, a zero fill and a cast) only where rows alone leave SMs idle
+        return GemvConfig(1, 8, 512)
+    return GemvConfig(16, 64, 32, mma=True, natural=True)
+
+
+def _gemv_split(cfg: GemvConfig, n: int, kw: int, block_kw: int, device: torch.device) -> int:
+    """split_k 0: split K (float32 atomics, a zero fill and a cast) only while N alone leaves
+    SMs idle."""
+    if cfg.split_k:
+        return max(1, min(cfg.split_k, -(-kw // block_kw)))
+    tiles, split = -(-n // cfg.block_n), 1
     while tiles * split < num_sms(device) and kw // (block_kw * split * 2) >= 2:
         split *= 2
-    return GemvConfig(
-        cfg.block_m, cfg.block_n, block_kw, split, cfg.num_warps, cfg.mma, cfg.num_stages
-    )
+    return split
 
 
 def _words(qweight: torch.Tensor, bits: int) -> torch.Tensor | None:
@@ -577,7 +629,7 @@ def _gemv_launch(
     wpg = 0 if group >= k else group // per_word  # scales are looked up per 4 words
     block_kw = max(min(cfg.block_kw, next_power_of_2(kw)), 4)
     assert wpg % 4 == 0, f"group {group}: the kernels need groups of whole 4-word vectors"
-    split = max(1, min(cfg.split_k, -(-kw // block_kw)))
+    split = _gemv_split(cfg, n, kw, block_kw, x.device)
     kw_per_split = -(-kw // (split * block_kw)) * block_kw
     atomic = split > 1
     out = (torch.zeros if atomic else torch.empty)(
@@ -585,7 +637,8 @@ def _gemv_launch(
     )
     kernel = _wq_gemv_mma_kernel if cfg.mma else _wq_gemv_kernel
     block_m = max(cfg.block_m, 16) if cfg.mma else 1  # FMA kernel: one row of x per program
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(kw, kw_per_split), triton.cdiv(m, block_m))
+    # rows of x fastest: the programs that share a weight tile run together (L2 hits)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), triton.cdiv(kw, kw_per_split))
     kernel[grid](
         x, words, scales, zeros if zeros is not None else scales, perm if perm is not None
         else scales, smooth if smooth is not None else scales, out,
@@ -596,6 +649,7 @@ def _gemv_launch(
         HAS_SMOOTH=smooth is not None, WPG=wpg, CODE_SCALE=float(2**bits),
         ZERO_SYM=float(2 ** (bits - 1)),
         ATOMIC=atomic, EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
+        **({"NATURAL": cfg.natural} if cfg.mma else {}),
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -629,7 +683,8 @@ def wint_gemm_triton(
     words = _words(qweight, bits)
     use_gemv = isinstance(config, GemvConfig) or (config is None and m <= SMALL_M)
     if use_gemv and words is not None and (group >= k or group % (128 // bits) == 0):
-        cfg = config if isinstance(config, GemvConfig) else _gemv_config(m, n, k, bits, x.device)
+        w_fp8 = qweight.dtype == FP8_DTYPE
+        cfg = config if isinstance(config, GemvConfig) else _gemv_config(m, n, k, bits, w_fp8)
         return _gemv_launch(
             x, words, scales, zeros, bits, group, perm, smooth, qweight.dtype == FP8_DTYPE, cfg
         )

@@ -122,3 +122,28 @@ def test_fp8_kv_cache_halves_block_bytes_and_keeps_greedy_outputs():
     same = sum(a == b for k in want for a, b in zip(want[k][0], got[k][0], strict=True))
     # e4m3 keeps 3 mantissa bits: most greedy tokens of a trained model survive that rounding
     assert same >= 0.75 * sum(len(v[0]) for v in want.values())
+
+
+@pytest.mark.parametrize("options", [
+    {"max_num_batched_tokens": 32},  # the prompt is scored over four chunks
+    {"max_num_batched_tokens": 32, "num_kv_blocks": 12, "max_model_len": 160},  # preempted
+])
+def test_prompt_logprobs_over_chunks_match_reference(tiny_llama, options):
+    from kiln.engine.reference import reference_generate
+
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 300) for _ in range(100)] for _ in range(2)]
+    params = kiln.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                 prompt_logprobs=3)
+    engine = make_engine(tiny_llama, **options)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    got = {o.request_id: o.prompt_logprobs for o in engine.run_to_completion()}
+    assert engine.stats.num_preemptions > 0 or "num_kv_blocks" not in options
+    expected = reference_generate(engine.loaded, prompts, [params] * 2, engine.max_model_len)
+    for i, ref in enumerate(expected):
+        mine = got[str(i)]
+        assert len(mine) == len(prompts[i]) and mine[0] is None
+        for pos, (a, b) in enumerate(zip(mine[1:], ref.prompt_logprobs[1:], strict=True)):
+            assert a.keys() == b.keys(), f"request {i}, position {pos + 1}"
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a), f"request {i}, position {pos + 1}"

@@ -114,6 +114,8 @@ GEMV_CONFIGS = [  # the small-M word-streaming kernels
     qg.GemvConfig(1, 8, 8, split_k=3),  # split-K: atomics into float32
     qg.GemvConfig(16, 16, 16, mma=True),  # tensor cores, M = 18: two row blocks
     qg.GemvConfig(16, 32, 64, mma=True, split_k=2),
+    qg.GemvConfig(16, 16, 16, mma=True, natural=True),  # codes joined into input order
+    qg.GemvConfig(16, 32, 32, mma=True, split_k=2, natural=True),
 ]
 
 
