@@ -1,32 +1,41 @@
 """Check and time Kiln's quantized GEMMs at the Llama-3.1-8B shapes; JSON out, table last.
 
-    PYTHONPATH=. python3 benchmarks/gpu_quant.py --out $OUT/quant.json [--sweep small|full|none]
-                                                 [--pytest]
+    PYTHONPATH=. python3 benchmarks/gpu_quant.py --out $OUT/quant.json
+        [--sweep small|next|full|none] [--only-sweep] [--ms 1,16] [--check-ms 1,3,16]
+        [--pytest] [--budget SECONDS] [--asm DIR]
 
-1. checks: each path (fused Triton, dequantize + cuBLAS, the dispatching wrapper, W8A8 through
-   torch._scaled_mm / torch._int_mm, the Triton activation quantizer) against float64 math on the
-   dequantized weights, fresh random inputs, every shape and M;
+1. checks: each path (the dispatching wrapper, the fused kernels, dequantize + cuBLAS, W8A8
+   through torch._scaled_mm / torch._int_mm, the Triton activation quantizer, FP8 weights
+   through the weight-only kernels) against float64 math on the dequantized weights, fresh
+   random inputs, every shape and M;
 2. timings: bf16 cuBLAS vs W8A16 / W4A16 g128 (fused and dequantize + cuBLAS) vs FP8 W8A8 (and
-   FP8 weights through the weight-only GEMV) vs INT8 W8A8, for M = 1, 16, 64, 256. Each op is
-   captured in a CUDA graph that cycles through enough weight copies to defeat the 50 MB L2, so
-   the time is what a decode step inside the engine's graphs would see;
-3. sweep: tile configurations of the fused kernel per (bits, M) at two shapes; the best ones
-   are what kiln/kernels/quant_gemm._default_config should pick.
+   FP8 weights through the weight-only kernels) vs INT8 W8A8, for M = 1, 16, 64, 256. Each op
+   is captured in a CUDA graph that cycles through enough weight copies to defeat the 50 MB
+   L2, so the time is what a decode step inside the engine's graphs would see;
+3. sweep: configurations of the small-M kernels (kiln/kernels/quant_gemm.GemvConfig: the
+   CUDA-core GEMV, the tensor-core word kernel; GemmConfig: the tile kernel) at M = 1..16,
+   each checked against float64 and timed next to the current default ("default" rows); the
+   best ones are what quant_gemm._gemv_config should pick.
 
 GB/s counts the weight bytes read (packed codes + scales + zeros) plus activations in and out;
-the W4A16 GEMV target is >= 70% of the 2831 GB/s copy bandwidth (shared/GPU.md).
+the W4A16 GEMV target is >= 70% of the 2831 GB/s copy bandwidth (shared/GPU.md). ``--budget``
+stops the sweep when the whole run has used that many seconds (the JSON is written after every
+stage); ``--asm DIR`` copies the Triton cache entries of the small-M kernels (TTGIR, PTX,
+cubin) there as one tarball, for reading their SASS off the device.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import itertools
 import json
 import math
 import os
 import subprocess
 import sys
+import tarfile
 import time
 import traceback
 
@@ -44,14 +53,16 @@ COPY_GBPS = 2831.0
 SHAPES = [(6144, 4096, "qkv"), (4096, 4096, "o_proj"), (28672, 4096, "gate_up (merged)"),
           (14336, 4096, "gate or up"), (4096, 14336, "down_proj")]
 MS = [1, 16, 64, 256]
+CHECK_MS = [1, 3, 16, 64, 256]
 DTYPE = torch.bfloat16
 L2_BYTES = 50 * 2**20
 DEVICE = "cuda"
 SMOKE = False  # --smoke: tiny shapes on CPU under TRITON_INTERPRET=1, to check this script
+START = time.time()
 
 
 def time_graph_us(make_fn, bytes_per_call: int, reps: int = 20) -> float:
-    """Median-free simple mean over graph replays of ops on rotating weight copies (µs/op)."""
+    """Mean over graph replays of ops on rotating weight copies (µs/op)."""
     copies = max(1, min(8, math.ceil(4 * L2_BYTES / max(bytes_per_call, 1))))
     if SMOKE:
         fn = make_fn(0)
@@ -110,6 +121,7 @@ class Formats:
         self.w8 = (q8.qweight(), q8.scales.to(DTYPE), None, 8, -1)
         self.w4 = (q4.qweight(), q4.scales.to(DTYPE), None, 4, 128)
         self.fp8 = w8a8.quantize_weight(dense, "fp8", "channel")
+        self.fp8_wo = (self.fp8[0], self.fp8[1][:, None].contiguous(), None, 8, -1)
         self.int8 = w8a8.quantize_weight(dense, "int8", "channel")
 
     @staticmethod
@@ -118,24 +130,33 @@ class Formats:
 
 
 def checks(results: list[dict]) -> None:
-    for (n, k, name), m in itertools.product(SHAPES, MS):
-        check_one(results, n, k, m)
-        print(f"checked {name} {n}x{k} m={m}", flush=True)
+    for n, k, name in SHAPES:
+        for m in CHECK_MS:
+            check_one(results, n, k, m)
+        print(f"checked {name} {n}x{k} m={CHECK_MS}", flush=True)
 
 
 def check_one(results: list[dict], n: int, k: int, m: int) -> None:
     f = Formats(n, k, seed=n + k + m)
     x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
-    for label, args in (("w8a16", f.w8), ("w4a16-g128", f.w4)):
+    for label, args in (("w8a16", f.w8), ("w4a16-g128", f.w4), ("fp8-weight-only", f.fp8_wo)):
         w64 = qg.wint_dequant_ref(*args, torch.float64).double()
         ref = x.double() @ w64.t()
         paths = {"wrapper": lambda a=args: qg.wint_linear(x, *a),
                  "fused": lambda a=args: qg.wint_gemm_triton(x, *a),
                  "dequant+cublas": lambda a=args: x @ qg.wint_dequant_triton(*a, DTYPE).t()}
         for path, fn in paths.items():
+            # poison: the output's allocation most likely reuses this NaN-filled block, so an
+            # element the kernel never writes fails the check
+            poison = torch.full((m, n), float("nan"), device=DEVICE, dtype=DTYPE)
+            del poison
             err = rel_err(fn(), ref)
             results.append(dict(check=label, path=path, n=n, k=k, m=m, rel_err=err,
                                 ok=err < 1e-2))
+        if m == 1:  # the dequantization kernel against the PyTorch reference, bit for bit
+            same = torch.equal(qg.wint_dequant_triton(*args, DTYPE),
+                               qg.wint_dequant_ref(*args, DTYPE))
+            results.append(dict(check=label, path="dequant==ref", n=n, k=k, m=m, ok=same))
     for kind in ("fp8", "int8"):
         wq, ws = getattr(f, kind)
         ref = w8a8.w8a8_linear_ref(x.float(), wq, ws, kind).double()
@@ -147,32 +168,29 @@ def check_one(results: list[dict], n: int, k: int, m: int) -> None:
         same = (q.float() == q_ref.float()).float().mean().item()
         results.append(dict(check=f"{kind}-act-quant", path="triton", n=n, k=k, m=m,
                             rel_err=rel_err(s, s_ref), ok=same > 0.999, codes_equal=same))
-    wq, ws = f.fp8
-    err = rel_err(qg.wint_gemm_triton(x, wq, ws[:, None], None, 8, -1),
-                  x.double() @ (wq.double() * ws.double()[:, None]).t())
-    results.append(dict(check="fp8-weight-only", path="fused", n=n, k=k, m=m, rel_err=err,
-                        ok=err < 1e-2))
 
 
 def timings(results: list[dict]) -> None:
-    for (n, k, name), m in itertools.product(SHAPES, MS):
-        time_one(results, n, k, m)
-        print(f"timed {name} {n}x{k} m={m}", flush=True)
+    for n, k, name in SHAPES:
+        f = Formats(n, k, seed=1)
+        for m in MS:
+            time_one(results, f, n, k, m)
+        print(f"timed {name} {n}x{k} m={MS}", flush=True)
 
 
-def time_one(results: list[dict], n: int, k: int, m: int) -> None:
-    f = Formats(n, k, seed=1)
+def time_one(results: list[dict], f: Formats, n: int, k: int, m: int) -> None:
     act = 2 * m * (n + k)  # bf16 x in, y out
     x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
     ops = {"bf16 cublas": ((f.bf16,), lambda a: lambda: torch.matmul(x, a[0].t()))}
     for label, args in (("w8a16", f.w8), ("w4a16-g128", f.w4)):
-        ops[f"{label} fused"] = (args, lambda a: lambda: qg.wint_gemm_triton(x, *a))
+        # "fused" is the dispatching wrapper: the fused kernels up to FUSED_MAX_M rows
+        ops[f"{label} fused"] = (args, lambda a: lambda: qg.wint_linear(x, *a))
         ops[f"{label} dequant+cublas"] = (
             args, lambda a: lambda: x @ qg.wint_dequant_triton(*a, DTYPE).t())
     wq, ws = f.fp8
     ops["fp8-w8a8 scaled_mm"] = ((wq, ws), lambda a: lambda: w8a8.w8a8_linear(x, *a, "fp8"))
-    ops["fp8 weight-only fused"] = ((wq, ws[:, None].contiguous()), lambda a: lambda:
-                                    qg.wint_gemm_triton(x, a[0], a[1], None, 8, -1))
+    if m <= qg.SMALL_M:
+        ops["fp8 weight-only fused"] = (f.fp8_wo, lambda a: lambda: qg.wint_gemm_triton(x, *a))
     ops["int8-w8a8 int_mm"] = (f.int8, lambda a: lambda: w8a8.w8a8_linear(x, *a, "int8"))
     for label, (tensors, make) in ops.items():
         wbytes = Formats.nbytes(*tensors)
@@ -186,49 +204,87 @@ def time_one(results: list[dict], n: int, k: int, m: int) -> None:
                             copy_ratio=gbps / COPY_GBPS, tflop_s=2 * m * n * k / us / 1e6))
 
 
+G = qg.GemvConfig
+T = qg.GemmConfig
+# candidates per M, in sweep order (each is checked, then timed next to the current default).
+# "small" is the list of the H100 run in benchmarks/results/h100/quant_kernels.*; "next" the
+# candidates written after it, not run yet (the tensor-core "natural" variant, 4-row GEMV).
 SWEEPS = {
-    "small": {1: dict(bm=[1], bn=[16, 32, 64], bk=[128, 256, 512], split=[1, 4], warps=[4],
-                      stages=[3]),
-              16: dict(bm=[16], bn=[32, 64, 128], bk=[128, 256], split=[1, 4], warps=[4],
-                       stages=[3]),
-              64: dict(bm=[32, 64], bn=[64, 128], bk=[64, 128], split=[1], warps=[4, 8],
-                       stages=[3]),
-              256: dict(bm=[64, 128], bn=[128], bk=[64, 128], split=[1], warps=[4, 8],
-                        stages=[3, 4])},
+    "small": {
+        1: [G(1, 16, 512, 1), G(1, 32, 512, 1), G(1, 8, 256, 1),
+            G(1, 16, 1024, 1, num_warps=8), G(1, 8, 512, split_k=2)],
+        16: [G(16, 32, 32, 1, mma=True), G(16, 64, 32, 1, mma=True), G(16, 64, 64, 1, mma=True),
+             G(16, 128, 32, 1, num_warps=8, mma=True), T(16, 64, 128, num_warps=4, num_stages=4),
+             T(16, 64, 128, 2, num_warps=4, num_stages=4)],
+        2: [G(1, 8, 512, 1), G(1, 16, 512, 1), G(16, 64, 32, 1, mma=True)],
+        4: [G(1, 16, 512, 1), G(16, 64, 32, 1, mma=True), G(16, 64, 64, 1, mma=True)],
+        8: [G(16, 64, 32, 1, mma=True), G(16, 64, 64, 1, mma=True), G(16, 32, 32, 1, mma=True)],
+    },
+    "next": {
+        1: [G(1, 4, 512), G(1, 16, 512)],
+        16: [G(16, 64, 32, mma=True, natural=True), G(16, 64, 16, mma=True, natural=True),
+             G(16, 128, 16, num_warps=8, mma=True, natural=True),
+             G(16, 32, 32, mma=True, natural=True), G(16, 64, 32, mma=True),
+             T(16, 64, 128, 1, num_warps=4, num_stages=4),
+             T(16, 64, 128, 2, num_warps=4, num_stages=4),
+             T(16, 64, 128, 4, num_warps=4, num_stages=4)],
+        8: [G(1, 8, 512), G(16, 64, 16, mma=True, natural=True), G(16, 64, 32, mma=True),
+            T(16, 64, 128, 2, num_warps=4, num_stages=4)],
+        4: [G(1, 8, 512), G(16, 64, 32, mma=True, natural=True)],
+    },
 }
-SWEEPS["full"] = {m: {**g, "split": sorted({*g["split"], 2, 8}) if m <= 16 else [1, 2],
-                      "warps": [4, 8], "stages": [2, 3, 4]} for m, g in SWEEPS["small"].items()}
+SWEEPS["full"] = {**SWEEPS["small"], 1: SWEEPS["small"][1] + [
+    G(1, 32, 256), G(1, 8, 1024, num_warps=8), G(1, 16, 512, num_warps=8),
+    G(1, 16, 512, split_k=2)]}
+# shapes per sweep and M (fewer where the sweep only picks a kernel family)
+SWEEP_SHAPES = {
+    "small": {1: [(4096, 4096), (28672, 4096), (4096, 14336)],
+              16: [(4096, 4096), (28672, 4096)], 2: [(4096, 4096)], 4: [(4096, 4096)],
+              8: [(4096, 4096)]},
+    "next": {1: [(4096, 4096), (6144, 4096), (4096, 14336)],
+             16: [(4096, 4096), (28672, 4096), (4096, 14336)], 8: [(4096, 4096)],
+             4: [(4096, 4096)]},
+}
+SWEEP_SHAPES["full"] = SWEEP_SHAPES["small"]
 
 
-def sweep(results: list[dict], grid: dict) -> None:
-    shapes = [(n, k) for n, k, _ in SHAPES[:1]] if SMOKE else [(4096, 4096), (28672, 4096)]
-    for (n, k), m, bits in itertools.product(shapes, MS, (4, 8)):
-        best = sweep_one(results, grid[m], n, k, m, bits)
-        print(f"swept bits={bits} {n}x{k} m={m}: best {best}", flush=True)
+def sweep(results: list[dict], name: str, budget: float) -> None:
+    grid, formats = SWEEPS[name], {}
+    for m in grid:
+        shapes = [(n, k) for n, k, _ in SHAPES[:1]] if SMOKE else SWEEP_SHAPES[name][m]
+        for (n, k), kind in itertools.product(shapes, ("w4", "w8", "fp8_wo")):
+            if kind == "fp8_wo" and (m not in (1, 16) or k != 4096):
+                continue
+            if time.time() - START > budget:
+                print(f"sweep stopped at the {budget:.0f} s budget", flush=True)
+                return
+            if (n, k) not in formats:
+                formats[(n, k)] = Formats(n, k, seed=2)
+            best = sweep_one(results, grid[m], formats[(n, k)], kind, n, k, m)
+            print(f"swept {kind} {n}x{k} m={m}: best {best}", flush=True)
 
 
-def sweep_one(results: list[dict], g: dict, n: int, k: int, m: int, bits: int):
-    f = Formats(n, k, seed=2)
-    args = f.w4 if bits == 4 else f.w8
+def sweep_one(results: list[dict], configs: list, f: Formats, kind: str, n: int, k: int,
+              m: int):
+    args = getattr(f, kind)
     wbytes = Formats.nbytes(*args)
     x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+    ref = x.double() @ qg.wint_dequant_ref(*args, torch.float64).double().t()
     best = None
-    for bm, bn, bk, split, warps, stages in itertools.product(
-            g["bm"], g["bn"], g["bk"], g["split"], g["warps"], g["stages"]):
-        cfg = qg.GemmConfig(bm, bn, bk, split, warps, stages)
+    for cfg in [None, *configs]:
         make = lambda a, c=cfg: lambda: qg.wint_gemm_triton(x, *a, config=c)
         try:
+            err = rel_err(make(args)(), ref)  # every candidate is checked before it is timed
             us = time_graph_us(rotating(args, make), wbytes)
-        except Exception:  # out of shared memory / registers: not a candidate
+        except Exception as exc:  # out of shared memory / registers: not a candidate
+            results.append(dict(kind=kind, n=n, k=k, m=m, config=repr(cfg), error=repr(exc)[:200]))
             continue
-        if best is None or us < best[0]:
-            best = (us, cfg)
-    default_cfg = qg._default_config(m, n, k, bits, x.device)
-    default_us = time_graph_us(rotating(args, lambda a: lambda: qg.wint_gemm_triton(x, *a)),
-                               wbytes)
-    results.append(dict(bits=bits, n=n, k=k, m=m, best_us=best and best[0],
-                        best_config=best and best[1].__dict__, default_us=default_us,
-                        default_config=default_cfg.__dict__))
+        gbps = (wbytes + 2 * m * (n + k)) / (us * 1e-6) / 1e9
+        name = "default" if cfg is None else repr(cfg)
+        results.append(dict(kind=kind, n=n, k=k, m=m, config=name, us=us, gb_s=gbps,
+                            rel_err=err, ok=err < 1e-2))
+        if err < 1e-2 and (best is None or us < best[0]):
+            best = (us, name, round(gbps))
     return best
 
 
@@ -244,14 +300,48 @@ def table(report: dict) -> None:
         cells = [f"{cols[o]['us']:8.1f} ({cols[o]['gb_s']:5.0f})" if o in cols else "-"
                  for o in ops]
         print(f"{n}x{k}, {m}".ljust(18) + "".join(c.rjust(24) for c in cells))
-    bad = [c for c in report["checks"] if not c["ok"]]
-    print(f"\nchecks: {len(report['checks']) - len(bad)}/{len(report['checks'])} ok")
-    for c in bad:
+    if report["sweep"]:
+        print("\nsweep: best small-M config per (format, shape, M) vs the default")
+        best = {}
+        for r in report["sweep"]:
+            if "us" in r and r["ok"]:
+                key = (r["kind"], r["n"], r["k"], r["m"])
+                if r["config"] == "default":
+                    best.setdefault(key, [None, None])[0] = r
+                elif best.setdefault(key, [None, None])[1] is None or r["us"] < best[key][1]["us"]:
+                    best[key][1] = r
+        for (kind, n, k, m), (d, b) in best.items():
+            dd = f"{d['us']:7.1f} us {d['gb_s']:5.0f} GB/s" if d else "-"
+            bb = f"{b['us']:7.1f} us {b['gb_s']:5.0f} GB/s {b['config']}" if b else "-"
+            print(f"  {kind:7s} {n}x{k} m={m:<3d} default {dd} | best {bb}")
+    bad = [c for c in report["checks"] + report["sweep"] if "ok" in c and not c["ok"]]
+    n_checks = len(report["checks"])
+    print(f"\nchecks: {n_checks - len([c for c in report['checks'] if not c['ok']])}/{n_checks}"
+          f" ok; sweep candidates failing their check: "
+          f"{len([c for c in report['sweep'] if 'ok' in c and not c['ok']])}")
+    for c in bad[:20]:
         print("  FAIL", c)
-    gemv = [r for r in report["timings"] if r.get("op") == "w4a16-g128 fused" and r["m"] == 1]
-    for r in gemv:
-        print(f"W4A16 GEMV {r['n']}x{r['k']}: {r['gb_s']:.0f} GB/s = "
-              f"{100 * r['copy_ratio']:.0f}% of copy bandwidth (target >= 70%)")
+    for c in report.get("errors", []):
+        print("  ERROR", c.strip().splitlines()[-1])
+    if "pytest" in report:
+        print("pytest -m gpu:", report["pytest"]["tail"].strip().splitlines()[-1:])
+    for label in ("w4a16-g128 fused", "w8a16 fused"):
+        gemv = [r for r in report["timings"] if r.get("op") == label and r["m"] == 1]
+        for r in gemv:
+            print(f"{label} M=1 {r['n']}x{r['k']}: {r['gb_s']:.0f} GB/s = "
+                  f"{100 * r['copy_ratio']:.0f}% of copy bandwidth (W4 target >= 70%)")
+
+
+def dump_asm(out_dir: str) -> None:
+    """Tar the Triton cache entries of the small-M kernels (TTGIR, PTX, cubin, metadata)."""
+    cache = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
+    files = [p for p in glob.glob(os.path.join(cache, "*", "*"))
+             if os.path.basename(p).startswith(("_wq_", "_wint_"))]
+    os.makedirs(out_dir, exist_ok=True)
+    with tarfile.open(os.path.join(out_dir, "quant_asm.tar.gz"), "w:gz") as tar:
+        for p in files:
+            tar.add(p, arcname=os.path.relpath(p, cache))
+    print(f"asm: {len(files)} cache files -> {out_dir}/quant_asm.tar.gz", flush=True)
 
 
 SMOKE_HELP = "check this script on CPU: TRITON_INTERPRET=1, tiny shapes, no CUDA graphs"
@@ -260,16 +350,29 @@ SMOKE_HELP = "check this script on CPU: TRITON_INTERPRET=1, tiny shapes, no CUDA
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--sweep", choices=["none", "small", "full"], default="small")
+    parser.add_argument("--sweep", choices=["none", "small", "next", "full"], default="small")
     parser.add_argument("--pytest", action="store_true", help="also run pytest -m gpu on quant")
+    parser.add_argument("--budget", type=float, default=1e9, help="seconds before the sweep stops")
+    parser.add_argument("--asm", help="folder for a tarball of the small-M kernels' TTGIR etc.")
+    parser.add_argument("--pytest-timeout", type=float, default=600)
+    parser.add_argument("--ms", help="comma-separated M values to time (default 1,16,64,256)")
+    parser.add_argument("--check-ms", help="comma-separated M values to check (1,3,16,64,256)")
+    parser.add_argument("--only-sweep", action="store_true", help="skip checks and timings")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
+    global MS, CHECK_MS
+    if args.ms:
+        MS = [int(v) for v in args.ms.split(",")]
+    if args.check_ms:
+        CHECK_MS = [int(v) for v in args.check_ms.split(",")]
     if args.smoke:
-        global SMOKE, DEVICE, SHAPES, MS, DTYPE
-        SMOKE, DEVICE, SHAPES, MS = True, "cpu", [(64, 256, "tiny"), (32, 512, "tiny-k")], [1, 3]
+        global SMOKE, DEVICE, SHAPES, DTYPE
+        SMOKE, DEVICE, MS, CHECK_MS = True, "cpu", [1, 3], [1, 3]
+        SHAPES = [(64, 512, "tiny"), (32, 1024, "tiny-k")]
         DTYPE = torch.float16  # the interpreter computes bf16 wrongly (shared/GPU.md)
         for grid in SWEEPS.values():
-            grid[3] = grid[16]
+            for m in list(grid):
+                grid[m] = [c for c in grid[m] if isinstance(c, qg.GemvConfig)][:2]
     elif not torch.cuda.is_available():
         sys.exit("gpu_quant.py needs a CUDA GPU (or --smoke)")
     device = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
@@ -277,25 +380,42 @@ def main() -> None:
               "triton": triton.__version__, "command": " ".join(sys.argv),
               "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
               "checks": [], "timings": [], "sweep": []}
-    stages = [("checks", checks), ("timings", timings)]
+    stages = [] if args.only_sweep else [("checks", checks), ("timings", timings)]
     if args.sweep != "none":
-        stages.append(("sweep", lambda res: sweep(res, SWEEPS[args.sweep])))
+        stages.append(("sweep", lambda res: sweep(res, args.sweep, args.budget)))
     for key, fn in stages:
+        t0 = time.time()
         try:
             fn(report[key])
         except Exception:
             report.setdefault("errors", []).append(traceback.format_exc())
             traceback.print_exc()
+        report.setdefault("stage_s", {})[key] = round(time.time() - t0, 1)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:  # after every stage: a timeout keeps what was done
             json.dump(report, fh, indent=1)
+    if args.asm:
+        try:
+            dump_asm(args.asm)
+        except Exception:
+            traceback.print_exc()
     if args.pytest:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
-                               "tests/kernels/test_quant_gemm.py"], capture_output=True, text=True)
-        report["pytest"] = {"rc": proc.returncode, "tail": proc.stdout[-3000:]}
+        t0 = time.time()
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q",
+               "tests/kernels/test_quant_gemm.py"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  timeout=args.pytest_timeout)
+            report["pytest"] = {"rc": proc.returncode, "tail": proc.stdout[-3000:]}
+        except subprocess.TimeoutExpired as exc:
+            tail = (exc.stdout or b"")[-3000:]
+            tail = tail.decode() if isinstance(tail, bytes) else tail
+            report["pytest"] = {"rc": "timeout", "tail": tail + "\n(timed out)"}
+        report.setdefault("stage_s", {})["pytest"] = round(time.time() - t0, 1)
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)
     table(report)
+    print("stage seconds:", report.get("stage_s"))
 
 
 if __name__ == "__main__":

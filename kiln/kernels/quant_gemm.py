@@ -7,13 +7,13 @@ u are 4-bit codes packed 8 per int32 along K (code k sits at bits 4 (k % 8) of w
 8-bit codes (uint8); z is 2^(bits-1) when the format is symmetric; G = K for per-channel scales.
 ``perm`` (GPTQ act-order) and ``smooth`` (AWQ) are optional per-input-channel gathers/scales.
 
-Three paths, picked by M: up to SMALL_M rows (decode) the word-streaming kernels below read the
-packed weights once as int32 words and dequantize in registers (a CUDA-core GEMV at M = 1, a
-tensor-core variant above); up to FUSED_MAX_M rows a tensor-core tile kernel; above, one
-dequantization kernel into a dense weight followed by cuBLAS (the same math, ``W`` rounded to
-x.dtype). The stored layout is kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): the
-kernels need no repacking. W8A8 (FP8 / INT8 activations through cuBLAS) lives in
-``kiln/quant/w8a8.py``.
+Three paths, picked by M: for decode batches the word-streaming kernels below read the packed
+weights once as int32 words and dequantize in registers (a CUDA-core GEMV up to
+GEMV_FMA_MAX_M rows, a tensor-core variant for int4 up to SMALL_M, see _gemv_config); up to
+FUSED_MAX_M rows a tensor-core tile kernel; above, one dequantization kernel into a dense
+weight followed by cuBLAS (the same math, ``W`` rounded to x.dtype). The stored layout is
+kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): no kernel needs a repacked weight.
+W8A8 (FP8 / INT8 activations through cuBLAS) lives in ``kiln/quant/w8a8.py``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from kiln.kernels._triton import next_power_of_2, num_sms, tl, triton, use_trito
 FP8_DTYPE = torch.float8_e4m3fn
 # above this many rows dequantize-then-cuBLAS beats the fused kernel (benchmarks/gpu_quant.py)
 FUSED_MAX_M = {4: 128, 8: 64}
-SMALL_M = 16  # up to this many rows: the word-streaming kernels (_wq_gemv_*), decode batches
-GEMV_FMA_MAX_M = 4  # ... of which up to this many on CUDA-core FMAs, above on tensor cores
+SMALL_M = 16  # up to this many rows the word-streaming kernels (_wq_gemv_*) may run: decode
+GEMV_FMA_MAX_M = 4  # ... the CUDA-core one up to this many rows; see _gemv_config
 
 
 @dataclass(frozen=True)
@@ -142,15 +142,16 @@ def _wint_gemm_kernel(
 #     sum_k (u_k - z) s x_k = s (2^BITS sum_k f_k x_k - (2^BITS + z) sum_k x_k),
 # where sum_k x_k is shared by all rows: per code a shift, an and/or and one FMA.
 #
-# CUDA-core kernel layout (checked in the TTGIR and SASS: no layout conversion, no shared memory
-# inside the K loop): a tile is [BLOCK_N rows, BLOCK_KW = 512 words] and lane l of warp v loads
-# words 4 c .. 4 c + 3 (one 16-byte vector, c = 32 v + l) of every row: each warp load reads 512
-# contiguous bytes of a row. The tile is split in registers into 4 planes [BLOCK_N, 128] (word
-# 4 c + a), and x for plane a is one 16-byte load per thread of the PER_WORD inputs of word
-# 4 c + a, split in registers into PER_WORD vectors: all of them in the layout of the planes,
-# and every x value serves BLOCK_N rows. A thread's 4 words lie in one scale group (group
-# sizes are multiples of 4 words), so a group scale is loaded and applied once per row per
-# tile.
+# CUDA-core kernel layout (checked in the TTGIR and SASS of Triton 3.6 on the H100 and 3.9: no
+# layout conversion, no shared memory inside the K loop of the default [8, 512] tile; 256-word
+# and 8-warp tiles do move x through shared memory): a tile is [BLOCK_N rows, BLOCK_KW = 512
+# words] and lane l of warp v loads words 4 c .. 4 c + 3 (one 16-byte vector, c = 32 v + l) of
+# every row: each warp load reads 512 contiguous bytes of a row. The tile is split in registers
+# into 4 planes [BLOCK_N, 128] (word 4 c + a), and x for plane a is one 16-byte load per thread
+# of the PER_WORD inputs of word 4 c + a, split in registers into PER_WORD vectors: all of them
+# in the layout of the planes, and every x value serves BLOCK_N rows. A thread's 4 words lie in
+# one scale group (group sizes are multiples of 4 words), so a group scale is loaded and
+# applied once per row per tile.
 
 
 @triton.jit
@@ -562,7 +563,7 @@ def _flags(
 
 
 def _default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> GemmConfig:
-    """Tiles of the tensor-core kernel (M > SMALL_M); benchmarks/gpu_quant.py sweeps them."""
+    """Tiles of the tensor-core tile kernel (M > SMALL_M, and 8-bit codes at M > GEMV_FMA_MAX_M)."""
     if m <= 16:
         cfg = GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
     elif m <= 64:
@@ -578,17 +579,24 @@ def _default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> 
     return GemmConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps, cfg.num_stages)
 
 
-def _gemv_config(m: int, n: int, k: int, bits: int, w_fp8: bool) -> GemvConfig:
-    """Small-M choice, from the H100 sweep in benchmarks/gpu_quant.py (results/h100/quant_*).
+def _gemv_config(m: int, n: int, k: int, bits: int) -> GemvConfig | None:
+    """Small-M choice (None: the tile kernel), from the H100 run in results/h100/quant_kernels.
 
     M <= GEMV_FMA_MAX_M: the FMA kernel, [8 rows, 512 words] tiles (each thread 8 rows x 16
-    bytes; one x load serves 8 rows), 512 programs per row of x at N = 4096, enough for 132 SMs
-    without split-K. Above, the tensor-core kernel (the FMA kernel decodes each weight once per
-    row of x).
+    bytes; one x load serves 8 rows): 512 programs per row of x at N = 4096, enough for 132 SMs
+    without split-K. Rows of x are programs, so its cost grows with M: at M = 2 and 4 it still
+    beat the alternatives (4096 x 4096: W4 8.7 / 13.9 us vs 20.2 / 20.4 us tensor-core word
+    kernel; W8 9.7 / 16.3 us vs 18.1 / 18.3). Above: the tile kernel (see below). The
+    ``natural=True`` word-kernel variant has not run on a GPU yet: not a default.
     """
-    if m <= GEMV_FMA_MAX_M:
+    if m <= 2:
         return GemvConfig(1, 8, 512)
-    return GemvConfig(16, 64, 32, mma=True, natural=True)
+    if m <= GEMV_FMA_MAX_M:
+        return GemvConfig(1, 16, 512)
+    # the tensor-core word kernel (GemvConfig(16, 64, 32, mma=True)) beat the tile kernel for int4
+    # at M = 16 by 5-15% in one H100 run, but changed after it; until it is re-timed and checked
+    # on a GPU again the tile kernel, which has been, keeps M > GEMV_FMA_MAX_M
+    return None
 
 
 def _gemv_split(cfg: GemvConfig, n: int, kw: int, block_kw: int, device: torch.device) -> int:
@@ -681,13 +689,12 @@ def wint_gemm_triton(
     if m == 0:
         return torch.empty(0, n, device=x.device, dtype=x.dtype)
     words = _words(qweight, bits)
-    use_gemv = isinstance(config, GemvConfig) or (config is None and m <= SMALL_M)
-    if use_gemv and words is not None and (group >= k or group % (128 // bits) == 0):
-        w_fp8 = qweight.dtype == FP8_DTYPE
-        cfg = config if isinstance(config, GemvConfig) else _gemv_config(m, n, k, bits, w_fp8)
-        return _gemv_launch(
-            x, words, scales, zeros, bits, group, perm, smooth, qweight.dtype == FP8_DTYPE, cfg
-        )
+    w_fp8 = qweight.dtype == FP8_DTYPE
+    gemv_ok = words is not None and (group >= k or group % (128 // bits) == 0)
+    if config is None and m <= SMALL_M and gemv_ok:
+        config = _gemv_config(m, n, k, bits)
+    if isinstance(config, GemvConfig) and gemv_ok:
+        return _gemv_launch(x, words, scales, zeros, bits, group, perm, smooth, w_fp8, config)
     cfg = config if isinstance(config, GemmConfig) else _default_config(m, n, k, bits, x.device)
     block_k = min(cfg.block_k, next_power_of_2(k))
     if group >= k:  # per channel: every tile lies in group 0
