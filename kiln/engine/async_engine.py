@@ -172,14 +172,6 @@ class AsyncEngine:
         for stream in streams.values():
             stream.put(error)
 
-    async def drain(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for in-flight requests; True if all finished."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self._streams and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        return not self._streams
-
     def shutdown(self) -> None:
         """Stop the step thread, then abort whatever is left."""
         self._stopping = True
