@@ -108,17 +108,17 @@ class Scheduler:
         return out
 
     def _chunks(self, request: Request, budget: int) -> list[tuple[Sequence, int]] | None:
-        """(sequence, tokens to compute) for the request, or None if the budget cannot cover it.
+        """(sequence, tokens to compute) for the request's sequences that fit the budget, or None.
 
-        Decodes need one token per sequence and are all-or-nothing (a request's samples move
-        together); a prompt may be cut to fit what is left of the budget.
+        A prompt may be cut to fit what is left. The samples of a request advance within one
+        step when the budget allows; when it does not (a preempted multi-sample request
+        re-prefilling), the first ones advance now and the rest in later steps.
         """
         chunks, left = [], budget
         for seq in request.active_seqs():
-            need = seq.num_tokens - seq.num_computed_tokens
-            take = min(need, left)
+            take = min(seq.num_tokens - seq.num_computed_tokens, left)
             if take <= 0:
-                return None
+                break
             chunks.append((seq, take))
             left -= take
         return chunks or None

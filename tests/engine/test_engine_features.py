@@ -147,3 +147,18 @@ def test_prompt_logprobs_over_chunks_match_reference(tiny_llama, options):
         for pos, (a, b) in enumerate(zip(mine[1:], ref.prompt_logprobs[1:], strict=True)):
             assert a.keys() == b.keys(), f"request {i}, position {pos + 1}"
             assert all(abs(a[t] - b[t]) < 1e-4 for t in a), f"request {i}, position {pos + 1}"
+
+
+def test_preempted_parallel_samples_resume_under_a_small_token_budget(tiny_llama):
+    """After a recompute preemption each sample re-prefills its own prompt + outputs; together
+    they exceed the step's token budget, so they must be allowed to advance one at a time."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 300) for _ in range(100)] for _ in range(3)]
+    params = kiln.SamplingParams(n=2, max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)
+    small = make_engine(tiny_llama, num_kv_blocks=24, max_num_batched_tokens=64,
+                        max_model_len=160)
+    got = run_all(small, prompts, [params] * 3)
+    assert small.stats.num_preemptions > 0
+    roomy = make_engine(tiny_llama, max_num_batched_tokens=64, max_model_len=160)
+    assert got == run_all(roomy, prompts, [params] * 3)
+    assert small.kv.num_free_blocks == 24
