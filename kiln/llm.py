@@ -54,5 +54,10 @@ class LLM:
             for rid in request_ids:  # all or nothing: a bad prompt queues none of them
                 self.engine.abort_request(rid)
             raise
-        finished = {o.request_id: o for o in self.engine.run_to_completion()}
+        try:
+            finished = {o.request_id: o for o in self.engine.run_to_completion()}
+        except BaseException:  # a failed step or Ctrl-C: leave no request behind for later calls
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
         return [finished[rid] for rid in request_ids]
