@@ -13,13 +13,27 @@ from kiln.cli_options import engine_options
 DEFAULT_MODEL = "kiln-tiny"
 
 
-def _load(module: str, attr: str) -> click.Command:
+def _load(name: str, module: str, attr: str) -> click.Command:
     import importlib
 
     import typer
 
     command = getattr(importlib.import_module(module), attr)
-    return typer.main.get_command(command) if isinstance(command, typer.Typer) else command
+    if not isinstance(command, typer.Typer):
+        return command
+    # typer vendors its own click: its commands raise exceptions plain click does not handle,
+    # so the app runs in its own standalone mode behind a pass-through click command
+    app = command
+    help_text = (app.info.help or "").strip()
+
+    @click.command(name, help=help_text, short_help=help_text.split("\n")[0],
+                   add_help_option=False,
+                   context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    @click.pass_context
+    def run_typer_app(ctx: click.Context) -> None:
+        app(args=ctx.args, prog_name=f"kiln {name}")
+
+    return run_typer_app
 
 
 class LazyGroup(click.Group):
@@ -31,7 +45,7 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in SUBCOMMANDS:
-            return _load(*SUBCOMMANDS[name])
+            return _load(name, *SUBCOMMANDS[name])
         return super().get_command(ctx, name)
 
 

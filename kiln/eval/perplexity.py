@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
+import click
 import torch
 import typer
 
@@ -147,6 +148,16 @@ def kiln_logits_fn(loaded: Any) -> LogitsFn:
 eval_app = typer.Typer(help="Accuracy: perplexity and model agreement.")
 
 
+def _load(model: str, dtype: str, device: str, quantization: str | None = None) -> Any:
+    """load_model with bad options or files reported as a one-line CLI error."""
+    from kiln.models import load_model
+
+    try:
+        return load_model(model, dtype=dtype, device=device, quantization=quantization)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 @eval_app.command("ppl")
 def ppl_cmd(
     model: Annotated[str, typer.Option(help="model directory, hub id or zoo name")],
@@ -157,17 +168,18 @@ def ppl_cmd(
     stride: Annotated[int | None, typer.Option(help="default: window / 2")] = None,
     dtype: Annotated[str, typer.Option()] = "auto",
     device: Annotated[str, typer.Option()] = "auto",
+    quantization: Annotated[str | None, typer.Option(
+        help="quantize the weights at load (fp8, fp8-tensor, int8, int4, w8a8-int8)")] = None,
 ) -> None:
     """Sliding-window perplexity of MODEL on a dataset or a file."""
-    from kiln.models import load_model
-
     if dataset is None and file is None:
         dataset = "zoo-heldout"
-    loaded = load_model(model, dtype=dtype, device=device)
+    loaded = _load(model, dtype, device, quantization)
     ids = encode_documents(loaded.tokenizer, dataset_texts(dataset, file), max_tokens)
     window = window or loaded.arch.max_position_embeddings
     result = perplexity(kiln_logits_fn(loaded), ids, window, stride)
-    typer.echo(f"model: {model}  data: {file or dataset}  window: {window}")
+    quant = f"  quantization: {quantization}" if quantization else ""
+    typer.echo(f"model: {model}{quant}  data: {file or dataset}  window: {window}")
     typer.echo(f"tokens evaluated: {result.num_tokens}")
     typer.echo(f"perplexity: {result.perplexity:.4f}")
 
@@ -182,10 +194,8 @@ def agree_cmd(
     device: Annotated[str, typer.Option()] = "auto",
 ) -> None:
     """Fraction of zoo held-out positions where DRAFT's greedy next token equals MODEL's."""
-    from kiln.models import load_model
-
-    target = load_model(model, dtype=dtype, device=device)
-    small = load_model(draft, dtype=dtype, device=device)
+    target = _load(model, dtype, device)
+    small = _load(draft, dtype, device)
     ids = encode_documents(target.tokenizer, dataset_texts("zoo-heldout", None), max_tokens)
     window = window or target.arch.max_position_embeddings
     result = greedy_agreement(kiln_logits_fn(target), kiln_logits_fn(small), ids, window)
