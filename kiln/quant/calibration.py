@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.layers.attention import Attention
+from kiln.quant.kv_cache import attention_layers
 from kiln.quant.methods import quantized_linears
 from kiln.quant.observers import MinMaxObserver
 
@@ -120,11 +120,18 @@ class LinearStats:
         return self.rows
 
 
-def run_batches(model: nn.Module, ids: torch.Tensor, batch_size: int) -> None:
+def run_batches(model: nn.Module, ids: torch.Tensor, batch_size: int,
+                hooks: Iterable[tuple[nn.Module, Callable]] = ()) -> None:
+    """Run the calibration ids through the model with forward pre-hooks attached meanwhile."""
+    handles = [module.register_forward_pre_hook(hook) for module, hook in hooks]
     device = next(model.parameters()).device
-    with torch.inference_mode():
-        for begin in range(0, ids.shape[0], batch_size):
-            model.full_logits(ids[begin : begin + batch_size].to(device))
+    try:
+        with torch.inference_mode():
+            for begin in range(0, ids.shape[0], batch_size):
+                model.full_logits(ids[begin : begin + batch_size].to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def collect_linear_stats(model: nn.Module, ids: torch.Tensor,
@@ -132,34 +139,26 @@ def collect_linear_stats(model: nn.Module, ids: torch.Tensor,
                          batch_size: int = 4) -> dict[str, LinearStats]:
     """Run the calibration ids through the model and gather ``make_stats(name)`` per Linear."""
     stats: dict[str, LinearStats] = {}
-    handles = []
+    hooks = []
     for name, layer in quantized_linears(model):
         stats[name] = make_stats(name)
-        hook = (lambda s: lambda _mod, args: s.update(args[0]))(stats[name])
-        handles.append(layer.register_forward_pre_hook(hook))
-    try:
-        run_batches(model, ids, batch_size)
-    finally:
-        for h in handles:
-            h.remove()
+        hooks.append((layer, (lambda s: lambda _mod, args: s.update(args[0]))(stats[name])))
+    run_batches(model, ids, batch_size, hooks)
     return stats
 
 
 def collect_kv_amax(model: nn.Module, ids: torch.Tensor, batch_size: int = 4
                     ) -> list[list[float]]:
     """Per attention layer (in layer order): [max |k|, max |v|] over the calibration ids."""
-    found = [m for m in model.modules() if isinstance(m, Attention)]
-    found.sort(key=lambda m: m.layer_idx)
-    amax = [[MinMaxObserver(), MinMaxObserver()] for _ in found]
-    handles = []
-    for obs, attn in zip(amax, found, strict=True):
-        def hook(_mod, args, obs=obs):  # args: (q, k, v, meta)
+    layers = attention_layers(model)
+    amax = [[MinMaxObserver(), MinMaxObserver()] for _ in layers]
+
+    def hook_for(obs: list[MinMaxObserver]) -> Callable:
+        def hook(_mod, args):  # args: (q, k, v, meta)
             obs[0].update(args[1])
             obs[1].update(args[2])
-        handles.append(attn.register_forward_pre_hook(hook))
-    try:
-        run_batches(model, ids, batch_size)
-    finally:
-        for h in handles:
-            h.remove()
+        return hook
+
+    run_batches(model, ids, batch_size,
+                [(attn, hook_for(obs)) for attn, obs in zip(layers, amax, strict=True)])
     return [[k.amax(), v.amax()] for k, v in amax]

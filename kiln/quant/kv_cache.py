@@ -29,10 +29,15 @@ from kiln.layers.attention import Attention
 DEFAULT_SCALE = 1.0
 
 
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's attention layers in layer order."""
+    return sorted((m for m in model.modules() if isinstance(m, Attention)),
+                  key=lambda m: m.layer_idx)
+
+
 def set_kv_scales(model: nn.Module, scales: list[list[float]] | None) -> None:
     """Give each attention layer (by ``layer_idx``) its ``k_scale`` / ``v_scale`` floats."""
-    layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
-                    key=lambda m: m.layer_idx)
+    layers = attention_layers(model)
     if scales is not None and len(scales) != len(layers):
         raise ValueError(f"{len(scales)} KV-cache scale pairs for {len(layers)} attention layers")
     for i, attn in enumerate(layers):
