@@ -42,6 +42,7 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one step (longer prompts are chunked)",
     "preemption_mode": "what happens to a request preempted for KV space",
     "max_waiting_requests": "the server answers 429 beyond this many waiting requests",
+    "async_scheduling": "launch the next decode step while the host finishes the last one",
     "tensor_parallel_size": "GPUs to split each layer over",
     "enforce_eager": "no CUDA graphs",
     "attention_backend": "torch (reference, any device) or triton (CUDA); auto picks",

@@ -103,6 +103,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     preemption_mode: str = "recompute"
     max_waiting_requests: int | None = None  # the server answers 429 beyond this
+    # launch decode step N+1 before step N's tokens reach the host (kiln/engine/overlap.py)
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)

@@ -60,14 +60,15 @@ class StepGraphs:
         self.logits: dict[tuple[str, int], torch.Tensor] = {}  # [rows, vocab] float32
         self.greedy_ids: dict[tuple[str, int], torch.Tensor] = {}  # [rows] argmax
         self.pool = None
-        # pinned host mirrors of the per-step inputs: the host writes them, one async copy each
-        pinned = {"pin_memory": True}
-        self.host_ids = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
-        self.host_positions = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
-        self.host_slots = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
-        self.host_prefill = torch.zeros(3, dtype=torch.int64, **pinned)  # q_len, last row
-        self.host_seq_lens = torch.ones(max_bs, dtype=torch.int32, **pinned)
-        self.host_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, **pinned)
+        # Two sets, used in turn: with async scheduling the host fills step N+1's inputs while
+        # the copies of step N's may still wait in the stream behind step N - 1.
+        self._host = (HostInputs(max_tokens, max_bs, max_blocks),
+                      HostInputs(max_tokens, max_bs, max_blocks))
+        self._turn = 0
+
+    def _next_host_inputs(self) -> HostInputs:
+        self._turn ^= 1
+        return self._host[self._turn]
 
     def _decode_meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -125,53 +126,72 @@ class StepGraphs:
         n = len(tokens)
         size = next(t for t in self.prefill_sizes if t >= n)
         bs = self.block_size
-        self.host_ids[:n] = torch.tensor(tokens)
-        self.host_positions[:size] = torch.arange(size)
+        host = self._next_host_inputs()
+        host.ids[:n] = torch.tensor(tokens)
+        host.positions[:size] = torch.arange(size)
         slots = torch.tensor(table, dtype=torch.int64).repeat_interleave(bs)[:n] * bs \
             + torch.arange(n) % bs
-        self.host_slots[:n] = slots
-        self.host_slots[n:size] = -1
-        self.host_seq_lens[0] = n
-        self.host_prefill[0], self.host_prefill[1] = n, n - 1
-        self.host_tables[0, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        for dst, src in ((self.input_ids, self.host_ids), (self.positions, self.host_positions),
-                         (self.slot_mapping, self.host_slots)):
+        host.slots[:n] = slots
+        host.slots[n:size] = -1
+        host.seq_lens[0] = n
+        host.prefill[0], host.prefill[1] = n, n - 1
+        host.tables[0, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        for dst, src in ((self.input_ids, host.ids), (self.positions, host.positions),
+                         (self.slot_mapping, host.slots)):
             dst[:size].copy_(src[:size], non_blocking=True)
-        self.seq_lens[:1].copy_(self.host_seq_lens[:1], non_blocking=True)
-        self.prefill_cu_seqlens_q[1:].copy_(self.host_prefill[:1], non_blocking=True)
-        self.last_index.copy_(self.host_prefill[1:2], non_blocking=True)
-        self.block_tables[:1, : len(table)].copy_(self.host_tables[:1, : len(table)],
+        self.seq_lens[:1].copy_(host.seq_lens[:1], non_blocking=True)
+        self.prefill_cu_seqlens_q[1:].copy_(host.prefill[:1], non_blocking=True)
+        self.last_index.copy_(host.prefill[1:2], non_blocking=True)
+        self.block_tables[:1, : len(table)].copy_(host.tables[:1, : len(table)],
                                                   non_blocking=True)
         key = ("prefill", size)
         self.graphs[key].replay()
         return self.logits[key], self.greedy_ids[key]
 
-    def run(self, tokens: list[int], positions: list[int],
+    def run(self, tokens: list[int] | torch.Tensor, positions: list[int],
             tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest graph holding the batch: (logits [n, vocab], argmax ids [n]).
 
         Sequence i feeds ``tokens[i]`` at ``positions[i]`` and reads blocks ``tables[i]``;
-        padded rows write nothing and attend to one slot of block 0.
+        padded rows write nothing and attend to one slot of block 0. ``tokens`` may already
+        be on the device (async scheduling: the step in flight is sampling them).
         """
-        n = len(tokens)
+        n = len(positions)
         bs = next(s for s in self.batch_sizes if s >= n)
         width = max(len(t) for t in tables)
         bsz = self.block_size
         slots = [t[p // bsz] * bsz + p % bsz for t, p in zip(tables, positions, strict=True)]
-        self.host_ids[:n] = torch.tensor(tokens)
-        self.host_positions[:n] = torch.tensor(positions)
-        self.host_slots[:n] = torch.tensor(slots)
-        self.host_slots[n:bs] = -1
-        self.host_seq_lens[:n] = torch.tensor(positions) + 1
-        self.host_seq_lens[n:bs] = 1
-        table_rows = self.host_tables[:n, :width].numpy()
+        host = self._next_host_inputs()
+        host.positions[:n] = torch.tensor(positions)
+        host.slots[:n] = torch.tensor(slots)
+        host.slots[n:bs] = -1
+        host.seq_lens[:n] = torch.tensor(positions) + 1
+        host.seq_lens[n:bs] = 1
+        table_rows = host.tables[:n, :width].numpy()
         for row, table in enumerate(tables):
             table_rows[row, : len(table)] = table
-        for dst, src in ((self.input_ids, self.host_ids), (self.positions, self.host_positions),
-                         (self.slot_mapping, self.host_slots),
-                         (self.seq_lens, self.host_seq_lens)):
+        if isinstance(tokens, torch.Tensor):
+            self.input_ids[:n].copy_(tokens)
+        else:
+            host.ids[:n] = torch.tensor(tokens)
+            self.input_ids[:n].copy_(host.ids[:n], non_blocking=True)
+        for dst, src in ((self.positions, host.positions), (self.slot_mapping, host.slots),
+                         (self.seq_lens, host.seq_lens)):
             dst[:bs].copy_(src[:bs], non_blocking=True)
-        self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
+        self.block_tables[:n, :width].copy_(host.tables[:n, :width], non_blocking=True)
         key = ("decode", bs)
         self.graphs[key].replay()
         return self.logits[key][:n], self.greedy_ids[key][:n]
+
+
+class HostInputs:
+    """Pinned host mirrors of one step's inputs: the host writes them, one async copy each."""
+
+    def __init__(self, max_tokens: int, max_bs: int, max_blocks: int) -> None:
+        pinned = {"pin_memory": True}
+        self.ids = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
+        self.slots = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
+        self.prefill = torch.zeros(3, dtype=torch.int64, **pinned)  # q_len, last row
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, **pinned)
+        self.tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, **pinned)

@@ -16,6 +16,7 @@ from kiln.cache.kv_cache_manager import KVCacheManager
 from kiln.config import EngineConfig
 from kiln.engine.inputs import PromptLike, check_prompt_length, tokenize_prompt
 from kiln.engine.model_runner import ModelRunner, StepResult
+from kiln.engine.overlap import InFlightStep, chain_decode, chainable
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.sequence import apply_sampler_output, prompt_logprobs_to_dicts
@@ -60,6 +61,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, self.kv_cache, self.kv, self.backend)
         self.requests: dict[str, Request] = {}
         self.num_scheduled_last_step = 0
+        self._in_flight: InFlightStep | None = None
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.startup_seconds = {"load_weights": self.loaded.load_seconds,
                                 "warm_up_size_and_allocate_kv": time.perf_counter() - start}
@@ -142,26 +144,44 @@ class LLMEngine:
         return request.output()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns the requests that progressed (or finished)."""
+        """Run one batch; returns the requests that progressed (or finished).
+
+        With async scheduling a step may stay in flight: the next call launches the step after
+        it first and only then applies it, so each call returns the outputs of the step before.
+        """
+        prev, self._in_flight = self._in_flight, None
+        chained = chain_decode(prev, self.scheduler, self.kv) if prev is not None else None
+        if chained is not None:
+            out, token_ids = chained
+            self.num_scheduled_last_step = len(out.scheduled)
+            self._in_flight = InFlightStep.launch(out, self.runner.execute(out, token_ids))
+            outputs = self._update(*prev.wait())
+        else:
+            outputs = self._update(*prev.wait()) if prev is not None else []
+            outputs += self._schedule_and_run()
+        self._refresh_gauges()
+        return outputs
+
+    def _schedule_and_run(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.num_scheduled_last_step = len(out.scheduled)
         if not out.scheduled:
             self.runner.apply_cache_ops(out)
-            self._refresh_gauges()
             return []
         now = time.monotonic()
         for item in out.scheduled:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
         result = self.runner.execute(out)
-        outputs = self._update(out, result)
-        self._refresh_gauges()
-        return outputs
+        if self.config.scheduler.async_scheduling and chainable(out, result):
+            self._in_flight = InFlightStep.launch(out, result)
+            return []
+        return self._update(out, result)
 
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         block_size = self.kv_cache.block_size

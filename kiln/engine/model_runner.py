@@ -66,12 +66,16 @@ class ModelRunner:
                                  self.block_size, self.device)
         return self.graphs.capture()
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
+    def prepare(self, scheduled: list[ScheduledSeq],
+                lookahead_ids: torch.Tensor | None = None) -> BatchInputs:
+        """Flat inputs; ``lookahead_ids`` [num_seqs] are the tokens of a decode step whose
+        inputs the step still in flight is sampling (async scheduling), already on the device."""
         tokens: list[int] = []
         starts, lens, tables = [], [], []
         for item in scheduled:
-            start = item.seq.num_computed_tokens
-            tokens += item.seq.token_slice(start, start + item.num_new_tokens)
+            start = item.start
+            if lookahead_ids is None:
+                tokens += item.seq.token_slice(start, start + item.num_new_tokens)
             starts.append(start)
             lens.append(item.num_new_tokens)
             tables.append(self.kv.block_table(item.seq.seq_id))
@@ -95,8 +99,9 @@ class ModelRunner:
             meta.prefill = self._metadata(None, cu[num_decode:] - cu[num_decode],
                                           seq_lens[num_decode:], table_np[num_decode:],
                                           lens_np[num_decode:])
-        return BatchInputs(self._to_device(np.array(tokens), torch.int64),
-                           self._to_device(positions, torch.int64), meta)
+        input_ids = (self._to_device(np.array(tokens), torch.int64) if lookahead_ids is None
+                     else lookahead_ids)
+        return BatchInputs(input_ids, self._to_device(positions, torch.int64), meta)
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype=dtype,
@@ -121,15 +126,18 @@ class ModelRunner:
             self.kv_cache.swap_in(out.swap_in)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput,
+                lookahead_ids: torch.Tensor | None = None) -> StepResult:
+        """Launch the step; ``lookahead_ids`` as in ``prepare`` (then every row is a decode)."""
         self.apply_cache_ops(out)
         if self._graph_step(out.scheduled):
-            return self._graph_decode(out.scheduled)
-        if self._graph_prefill_step(out.scheduled):
+            return self._graph_decode(out.scheduled, lookahead_ids)
+        if lookahead_ids is None and self._graph_prefill_step(out.scheduled):
             return self._graph_prefill(out.scheduled[0])
-        # single-token rows first, so attention can send them to the decode kernel
+        # single-token rows first, so attention can send them to the decode kernel (a stable
+        # sort: a lookahead step is all single-token rows and keeps its order)
         scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
-        batch = self.prepare(scheduled)
+        batch = self.prepare(scheduled, lookahead_ids)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
         prompt_lps = self._prompt_logprobs(scheduled, hidden, ends)
@@ -153,7 +161,7 @@ class ModelRunner:
         if self.graphs is None or len(scheduled) != 1:
             return False
         item = scheduled[0]
-        return (item.seq.num_computed_tokens == 0 and item.samples
+        return (item.start == 0 and item.samples
                 and item.request.prompt_logprobs is None
                 and self.graphs.fits_prefill(item.num_new_tokens))
 
@@ -170,11 +178,13 @@ class ModelRunner:
             return StepResult(seqs, [item.request for item in scheduled], greedy_ids, None, [])
         return self._sample(logits, [(item, row) for row, item in enumerate(scheduled)], [])
 
-    def _graph_decode(self, scheduled: list[ScheduledSeq]) -> StepResult:
+    def _graph_decode(self, scheduled: list[ScheduledSeq],
+                      lookahead_ids: torch.Tensor | None) -> StepResult:
         """A pure decode step through the captured graphs."""
-        positions = [item.seq.num_computed_tokens for item in scheduled]
-        tokens = [item.seq.token_slice(p, p + 1)[0] for item, p in zip(scheduled, positions,
-                                                                        strict=True)]
+        positions = [item.start for item in scheduled]
+        tokens = lookahead_ids if lookahead_ids is not None else [
+            item.seq.token_slice(p, p + 1)[0] for item, p in zip(scheduled, positions,
+                                                                  strict=True)]
         tables = [self.kv.block_table(item.seq.seq_id) for item in scheduled]
         logits, greedy_ids = self.graphs.run(tokens, positions, tables)
         return self._graph_result(scheduled, logits, greedy_ids)
@@ -209,7 +219,7 @@ class ModelRunner:
             request = item.request
             if request.prompt_logprobs is None or item.seq.index != 0:
                 continue
-            start = item.seq.num_computed_tokens
+            start = item.start
             first = len(request.prompt_logprobs) - 1  # the next position to score
             stop = min(start + item.num_new_tokens, len(request.prompt_token_ids) - 1)
             if not start <= first < stop:

@@ -23,12 +23,19 @@ from kiln.engine.sequence import Sequence
 class ScheduledSeq:
     request: Request
     seq: Sequence
-    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_new_tokens: int  # tokens computed this step, starting at `start`
+    # tokens an earlier step still in flight computes for this sequence (async scheduling):
+    # this step starts after them and feeds the token that step is sampling
+    pending: int = 0
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens + self.pending
 
     @property
     def samples(self) -> bool:
         """This chunk reaches the sequence's last token, so its logits pick the next one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.pending > 0 or self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass

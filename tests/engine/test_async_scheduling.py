@@ -1,0 +1,115 @@
+"""Async scheduling (kiln/engine/overlap.py) must change when the host works, never what it
+produces: every workload below runs with it on and off and the outputs must be identical."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_helpers import make_engine
+
+import kiln
+from kiln.engine import overlap
+
+
+@pytest.fixture
+def chain_count(monkeypatch):
+    """How many steps were launched from the step in flight (proves the path ran)."""
+    calls = {"chained": 0}
+    real = overlap.chain_decode
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls["chained"] += result is not None
+        return result
+
+    monkeypatch.setattr("kiln.engine.llm_engine.chain_decode", spy)
+    return calls
+
+
+def _outputs(engine, prompts, params):
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    done = engine.run_to_completion()
+    assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv.check_integrity()
+    return {o.request_id: [(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs)
+                           for c in o.outputs] for o in done}
+
+
+def _mixed_workload(seed: int, num: int = 24):
+    """Greedy and seeded sampling, stop ids that really fire, length limits, and the features
+    that force the synchronous path (penalties, min_tokens, logprobs, n > 1), which finish
+    early so that the rest runs chained."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(num):
+        prompts.append([rng.randrange(3, 300) for _ in range(rng.randint(1, 60))])
+        kind = i % 6
+        extra = {}
+        if kind == 1:
+            extra = {"temperature": 0.8, "seed": i, "top_p": 0.9}
+        elif kind == 2:  # a frequent token of this random model stops most of these early
+            extra = {"stop_token_ids": list(range(3, 300, 7))}
+        elif kind == 3:
+            extra = {"repetition_penalty": 1.2, "min_tokens": 3}
+        elif kind == 4:
+            extra = {"logprobs": 2}
+        elif kind == 5:
+            extra = {"n": 2, "temperature": 1.0, "seed": i}
+        max_tokens = rng.randint(3, 5) if kind >= 3 else rng.randint(8, 20)
+        params.append(kiln.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                          **({"temperature": 0.0} | extra)))
+    return prompts, params
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"block_size": 4, "max_num_batched_tokens": 64},  # chunked prompts between decodes
+    {"num_kv_blocks": 40, "block_size": 4, "max_model_len": 160},  # preemption by recompute
+    {"enable_prefix_caching": True, "block_size": 4},
+])
+def test_async_scheduling_changes_no_output(tiny_llama, chain_count, options):
+    prompts, params = _mixed_workload(seed=3)
+    sync = _outputs(make_engine(tiny_llama, async_scheduling=False, **options), prompts, params)
+    assert chain_count["chained"] == 0
+    overlapped = _outputs(make_engine(tiny_llama, **options), prompts, params)
+    assert overlapped == sync
+    assert chain_count["chained"] > 0
+
+
+def test_stop_found_late_drops_the_extra_token(tiny_llama, chain_count):
+    """A sequence that stops on a token has already computed one more step; none of it shows."""
+    engine = make_engine(tiny_llama, block_size=4)
+    free = engine.kv.num_free_blocks
+    prompt = list(range(3, 20))
+    greedy = kiln.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = _outputs(engine, [prompt], [greedy])["0"][0][0]
+    stop_at = tokens[5]
+    stopping = kiln.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                   stop_token_ids=[stop_at])
+    out = _outputs(engine, [prompt], [stopping])["0"][0]
+    assert out[0] == tokens[:tokens.index(stop_at) + 1]
+    assert out[1:3] == ("stop", stop_at)
+    assert chain_count["chained"] > 0
+    assert engine.kv.num_free_blocks == free
+    assert not engine.has_unfinished_requests()
+
+
+def test_abort_while_a_step_is_in_flight(tiny_llama, chain_count):
+    engine = make_engine(tiny_llama, block_size=4)
+    greedy = kiln.SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("x", list(range(3, 40)), greedy)
+    engine.add_request("y", list(range(5, 30)), greedy)
+    for _ in range(6):
+        engine.step()
+    assert engine._in_flight is not None
+    aborted = engine.abort_request("x")
+    seen = len(aborted.outputs[0].token_ids)
+    finished = {o.request_id: o for o in engine.run_to_completion()}
+    assert set(finished) == {"y"}  # x's rows in flight were dropped, not reported
+    assert len(aborted.outputs[0].token_ids) == seen
+    assert len(finished["y"].outputs[0].token_ids) == 30
+    assert chain_count["chained"] > 0
+    assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv.check_integrity()
