@@ -3,8 +3,9 @@
 Each case runs ``num_iters`` batches of fresh random prompts (after ``num_iters_warmup``
 shorter ones), all submitted at once. Reported per case: TTFT, TPOT (per-token latency), ITL,
 decode tok/s (``batch_size / TPOT``), and the bandwidth a decode step achieves: the bytes it
-must read (weights, minus the embedding table, plus the KV cache of the batch at its mean
-context) over TPOT, set against the device's copy bandwidth.
+must read (weights as stored, quantized codes and scales included, minus the embedding table,
+plus the KV cache of the batch at its mean context) over TPOT, set against the device's copy
+bandwidth.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _bandwidth(m: dict[str, Any], batch_size: int, input_len: int, output_len: i
 def _run_kiln(cfg: LatencyConfig, progress: Any) -> tuple[list[dict], list[dict], dict]:
     llm = offline.build_llm(cfg.model, cfg.engine_kwargs)
     loaded = llm.engine.loaded
-    info = {"weight_bytes": offline.weight_bytes(llm),
+    info = {"weight_bytes": offline.weight_bytes(loaded.model),
             "kv_bytes_per_token": offline.kv_bytes_per_token(llm), "dtype": loaded.dtype,
             "device": loaded.device, "vocab_size": loaded.arch.vocab_size,
             "startup_seconds": llm.engine.startup_seconds}

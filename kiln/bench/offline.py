@@ -14,9 +14,12 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import nn
 
 from kiln.bench.stats import request_latencies
 from kiln.bench.workload import BenchRequest
+from kiln.layers.embedding import LMHead, VocabParallelEmbedding
+from kiln.layers.rotary import RotaryEmbedding
 from kiln.llm import LLM
 from kiln.outputs import RequestOutput
 from kiln.sampling.params import SamplingParams
@@ -104,13 +107,19 @@ def request_record(out: RequestOutput, case: int, t0: float) -> dict[str, Any]:
     }
 
 
-def weight_bytes(llm: LLM) -> int:
-    """Bytes of weights a decode step reads: every parameter but the input embedding table,
-    of which a step gathers only one row per token (the LM head reads its full matrix)."""
-    loaded = llm.engine.loaded
-    tied = loaded.arch.tie_word_embeddings
-    return sum(p.numel() * p.element_size() for name, p in loaded.model.named_parameters()
-               if tied or "embed_tokens" not in name)
+def _gathered(module: nn.Module) -> bool:
+    """Tables a step reads one row of per token (by token id or position), not in full."""
+    return isinstance(module, RotaryEmbedding) or (
+        isinstance(module, VocabParallelEmbedding) and not isinstance(module, LMHead))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights a decode step reads: every parameter and buffer of the model (quantized
+    Linears hold their codes, scales and zeros as buffers) except the input embedding and
+    rotary tables. A tied LM head shares the embedding's tensor and counts it once."""
+    read = {id(t): t for module in model.modules() if not _gathered(module)
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]}
+    return sum(t.numel() * t.element_size() for t in read.values())
 
 
 def kv_bytes_per_token(llm: LLM) -> int:

@@ -831,6 +831,21 @@ def wint_linear(
     """y = x W^T + b for a weight-only quantized W; x [..., K] -> [..., N] in x.dtype."""
     if not use_triton(x, qweight, scales):
         return wint_linear_ref(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias)
+    return wint_linear_triton(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias)
+
+
+def wint_linear_triton(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    smooth: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``wint_linear`` without the device check: the Triton paths, picked by the rows of x."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1 or x2.stride(0) != x2.shape[1]:
         x2 = x2.contiguous()

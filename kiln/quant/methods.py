@@ -7,21 +7,27 @@ dropped and the layer holds buffers instead (so ``state_dict`` is the quantized 
 
 - ``WeightOnlyMethod``: qweight (int32 [N, K/8] for 4 bits, uint8 [N, K] for 8), scales [N, G],
   zeros uint8 [N, G] (asymmetric), perm int32 [K] (GPTQ act-order), smooth float32 [K] (AWQ).
-- ``W8A8Method``: qweight (fp8 / int8 [N, K]), w_scales float32 [N], smooth float32 [K]
-  (SmoothQuant), act_scale float32 [] (static activation scale).
+- ``W8A8Method``: qweight (fp8 / int8 [N, K]), w_scales float32 [N] (per-tensor scales are
+  stored expanded to [N]), smooth float32 [K] (SmoothQuant), act_scale float32 [] (static
+  activation scale).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kiln.kernels.quant_gemm import FP8_DTYPE, wint_dequant_ref, wint_linear
+from kiln.kernels._triton import use_triton
+from kiln.kernels.quant_gemm import (
+    FP8_DTYPE,
+    GEMV_FMA_MAX_M,
+    wint_dequant_ref,
+    wint_linear,
+    wint_linear_triton,
+)
 from kiln.layers.linear import Linear
 from kiln.quant.config import QuantConfig
 from kiln.quant.rtn import IntWeight, rtn_quantize
 from kiln.quant.w8a8 import STORAGE, check_fp8_supported, quantize_weight, w8a8_linear
-
-DECODE_MAX_M = 16  # rows up to which FP8 may run weight-only (see W8A8Method.decode_weight_only)
 
 
 def _dense(layer: Linear) -> torch.Tensor | None:
@@ -105,16 +111,19 @@ class WeightOnlyMethod:
 class W8A8Method:
     """FP8 (``torch._scaled_mm``) or INT8 (``torch._int_mm``) weights and activations.
 
-    ``decode_weight_only``: on CUDA, batches of at most DECODE_MAX_M rows run the FP8 weights
-    through the weight-only GEMV (activations stay in bf16: no activation rounding, and the
-    decode step is bound by reading the weights, which is the same bytes either way). Off by
-    default, so that "W8A8" means W8A8; benchmarks/gpu_quant.py times both.
+    FP8 on CUDA dispatches on the number of rows M (a host int, so CUDA graphs capture one
+    path per batch size): M <= GEMV_FMA_MAX_M (decode) runs the e4m3 weights through the
+    weight-only CUDA-core GEMV of kiln/kernels/quant_gemm.py with x in the model dtype. A small-M
+    GEMM is bound by reading the weights, the same bytes either way, and the GEMV skips the
+    per-token activation-quantization kernel (the activations are not rounded, and a static
+    act_scale goes unused). Above, the GEMV gives way to the tile kernel, which _scaled_mm beats
+    (benchmarks/results/h100/quant_kernels.txt). INT8 keeps _int_mm: the GEMV decodes unsigned
+    codes with a zero point, not int8's two's complement.
     """
 
-    def __init__(self, cfg: QuantConfig, decode_weight_only: bool = False) -> None:
+    def __init__(self, cfg: QuantConfig) -> None:
         self.cfg = cfg
         self.kind = cfg.w8a8_dtype
-        self.decode_weight_only = decode_weight_only
 
     def tensor_spec(self, layer: Linear) -> dict[str, tuple[tuple[int, ...], tuple]]:
         n, k = layer.out_features, layer.in_features
@@ -159,12 +168,16 @@ class W8A8Method:
         return (w if layer.smooth is None else w * layer.smooth[None, :]).to(dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if (self.decode_weight_only and self.kind == "fp8" and x.is_cuda
-                and x.numel() <= DECODE_MAX_M * x.shape[-1]):
-            return wint_linear(x, layer.qweight, layer.w_scales[:, None], None, 8, -1, None,
-                               layer.smooth, layer.bias)
+        if (self.kind == "fp8" and x.shape[:-1].numel() <= GEMV_FMA_MAX_M
+                and use_triton(x, layer.qweight)):
+            return self.apply_weight_only(layer, x)
         return w8a8_linear(x, layer.qweight, layer.w_scales, self.kind, layer.smooth,
                            layer.act_scale, layer.bias)
+
+    def apply_weight_only(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """FP8 weights through the Triton weight-only GEMM, x unquantized (the small-M path)."""
+        return wint_linear_triton(x, layer.qweight, layer.w_scales[:, None], None, 8, -1, None,
+                                  layer.smooth, layer.bias)
 
 
 QuantMethod = WeightOnlyMethod | W8A8Method

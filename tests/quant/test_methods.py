@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from kiln.kernels._triton import HAS_TRITON
 from kiln.layers.linear import Linear
+from kiln.quant import methods
 from kiln.quant.config import QuantConfig
 from kiln.quant.methods import install_methods
 from kiln.quant.rtn import IntWeight, rtn_quantize
@@ -131,3 +133,66 @@ def test_w8a8_static_scale_and_smooth_semantics():
     expected = (codes * 0.02) @ w_deq.t()
     torch.testing.assert_close(layer(x).reshape(-1, 16).double(), expected, rtol=1e-5,
                                atol=1e-5)
+
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+def w8a8_layer(kind, granularity, seed, smooth=False):
+    """A quantized 40 x 256 W8A8 Linear with bias (and a SmoothQuant vector if ``smooth``)."""
+    layer, _ = make_linear(40, 256, True, seed)
+    cfg = QuantConfig(method="smoothquant" if smooth else "fp8" if kind == "fp8" else "rtn",
+                      scheme="w8a8", w8a8_dtype=kind, weight_granularity=granularity)
+    install_methods(torch.nn.Sequential(layer), cfg)
+    sm = torch.rand(256, generator=torch.Generator().manual_seed(seed)) + 0.5 if smooth else None
+    w = layer.weight.detach()
+    layer.method.quantize_dense(layer, w if sm is None else w / sm, sm)
+    return layer
+
+
+@needs_triton
+@pytest.mark.parametrize("granularity,smooth", [("channel", False), ("tensor", False),
+                                                ("channel", True)])
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: wrong interpreted
+def test_fp8_small_m_runs_weight_only(granularity, smooth, m, dtype):
+    """The CUDA small-M path (the weight-only GEMV, interpreted here) is the dequantized weight
+    times the unquantized x, per-channel or per-tensor scales alike."""
+    layer = w8a8_layer("fp8", granularity, seed=10 * m + len(granularity), smooth=smooth)
+    if granularity == "tensor":
+        assert (layer.w_scales == layer.w_scales[0]).all()
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(100 + m)).to(dtype)
+    w_deq = layer.method.dequantized_weight(layer, torch.float64)
+    expected = x.double() @ w_deq.t() + layer.bias.double()
+    out = layer.method.apply_weight_only(layer, x)
+    assert out.dtype == dtype and out.shape == (m, 40)
+    rel = ((out.double() - expected).norm() / expected.norm()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 3e-3), rel
+
+
+@needs_triton
+@pytest.mark.parametrize("kind,cuda,shape,gemv", [
+    ("fp8", True, (1, 256), True),
+    ("fp8", True, (2, 2, 256), True),  # M counts every leading dimension
+    ("fp8", True, (5, 256), False),
+    ("fp8", True, (16, 256), False),
+    ("fp8", False, (1, 256), False),  # CPU: the float32 reference, whatever M
+    ("int8", True, (1, 256), False),  # the GEMV has no signed int8 codes
+])
+def test_w8a8_dispatch_by_rows(monkeypatch, kind, cuda, shape, gemv):
+    layer = w8a8_layer(kind, "channel", seed=1)
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args):
+            calls.append(name)
+            return fn(*args)
+        return wrapped
+
+    if cuda:  # what use_triton says for CUDA tensors; the paths below still run on the CPU
+        monkeypatch.setattr(methods, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(methods, "w8a8_linear", spy("w8a8", methods.w8a8_linear))
+    monkeypatch.setattr(methods, "wint_linear_triton", spy("gemv", methods.wint_linear_triton))
+    out = layer(torch.randn(shape, generator=torch.Generator().manual_seed(2)))
+    assert out.shape == (*shape[:-1], 40)
+    assert calls == ["gemv" if gemv else "w8a8"]
