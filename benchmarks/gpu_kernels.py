@@ -1,17 +1,24 @@
 """Check and time every Kiln kernel on one GPU, in one run; write JSON and print a table last.
 
     PYTHONPATH=. python3 benchmarks/gpu_kernels.py --out $OUT/kernels.json
+    PYTHONPATH=. python3 benchmarks/gpu_kernels.py --decode-sweep --out $OUT/decode_sweep.json
 
 Each kernel's Triton path is compared with its PyTorch reference on fresh random inputs, then
 timed with triton.testing.do_bench (median, ms) at the target shapes; the rate is set against the
 ceilings measured on the H100 (shared/GPU.md). The attention kernels are also timed over a few
 tile configurations, and torch SDPA (flash, cuDNN) on the same problem for comparison.
+
+--decode-sweep runs only decode attention at the short contexts a decode CUDA graph captured with
+max_seqlen_k = 4096 sees: the launch policy before partitions followed the real length ("old"),
+decode_launch_config ("new") and alternative tiles / split counts / partition floors, each timed
+inside a CUDA graph over enough copies of the problem that its K/V come from DRAM, not L2.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -33,9 +40,14 @@ if "kiln" not in sys.modules:
     ]
     sys.modules["kiln"] = _kiln
 
+from kiln.kernels._triton import num_sms
 from kiln.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kiln.kernels.attention import paged_attention_ref
-from kiln.kernels.attention_decode import DECODE_CONFIG, paged_attention_decode_triton
+from kiln.kernels.attention_decode import (
+    DECODE_CONFIG,
+    decode_launch_config,
+    paged_attention_decode_triton,
+)
 from kiln.kernels.attention_prefill import PREFILL_CONFIGS, paged_attention_prefill_triton
 from kiln.kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
 from kiln.kernels.rms_norm import rms_norm_ref, rms_norm_triton
@@ -229,12 +241,15 @@ def bench_prefill(batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=
     record(name, shape, main[0], tflop=tflop, err=main[1], extra=extra)
 
 
-def bench_decode(batch, ctx, num_heads=32, num_kv_heads=8, head_dim=128, page=16, configs=None):
+def bench_decode(batch, ctx, num_heads=32, num_kv_heads=8, head_dim=128, page=16, sweep=True):
     args, scale = paged_problem([ctx] * batch, [1] * batch, num_heads, num_kv_heads, head_dim, page)
     ref = paged_attention_ref(*args, scale)
     gbytes = 2 * batch * ctx * num_kv_heads * head_dim * 2 / 1e9  # K and V, read once
+    # the headline is what the engine runs: decode_launch_config's tiles with its split count
+    default = decode_launch_config(batch, num_kv_heads, ctx, num_sms(torch.device(DEVICE)))[:3]
+    configs = [default] + [c for c in DECODE_SWEEP if c != default] if sweep else [default]
     best = None
-    for config in configs or DECODE_SWEEP:
+    for config in configs:
         for splits in (None, 1, 4, 8):
             kw = {"config": config, "num_splits": splits}
             try:
@@ -248,7 +263,7 @@ def bench_decode(batch, ctx, num_heads=32, num_kv_heads=8, head_dim=128, page=16
                    "gb_s": gbytes / (ms * 1e-3), "rel_err": err}  # fmt: skip
             sweeps.append(row)
             print(json.dumps(row), flush=True)
-            if splits is None and config == DECODE_CONFIG:
+            if splits is None and config == default:
                 main = (ms, err)
             if best is None or ms < best[1]:
                 best = (kw, ms)
@@ -256,17 +271,163 @@ def bench_decode(batch, ctx, num_heads=32, num_kv_heads=8, head_dim=128, page=16
     k, v = dense_kv(args)  # GQA in SDPA itself, so that it reads the same K/V bytes
     sdpa_ms = time_sdpa(q, k, v, SDPBackend.FLASH_ATTENTION, enable_gqa=True)
     sdpa_gbs = None if sdpa_ms is None else gbytes / (sdpa_ms * 1e-3)
-    extra = {"config": DECODE_CONFIG, "num_splits": "auto", "sdpa_flash_dense_gb_s": sdpa_gbs,
+    extra = {"config": default, "num_splits": "auto", "sdpa_flash_dense_gb_s": sdpa_gbs,
              "best_sweep": best[0], "best_sweep_gb_s": gbytes / (best[1] * 1e-3)}  # fmt: skip
     shape = [batch, ctx, num_heads, num_kv_heads, head_dim]
     name = f"decode_b{batch}_ctx{ctx}" + ("" if page == 16 else f"_page{page}")
     record(name, shape, main[0], gbytes=gbytes, err=main[1], extra=extra)
 
 
+# --decode-sweep: real contexts under the max_seqlen_k a decode CUDA graph is captured with (the
+# engine's default max_model_len), then eager-shaped big-batch guards (max_seqlen_k = the context)
+# that are already near the copy ceiling and must not get slower
+SWEEP_BATCHES = (1, 8, 64)
+SWEEP_CONTEXTS = (128, 256, 512, 1024)
+SWEEP_MAX_SEQLEN_K = 4096
+SWEEP_GUARDS = ((64, 1024), (8, 16384))
+# (BLOCK_N, num_warps, num_stages, times the policy's split count, min partition in tiles)
+DECODE_ALTERNATIVES = [
+    (128, 4, 2, 1, 1), (64, 4, 2, 1, 1), (32, 4, 2, 1, 1), (64, 2, 2, 1, 1), (64, 8, 2, 1, 1),
+    (64, 4, 3, 1, 1), (64, 4, 2, 2, 1), (64, 4, 2, 4, 1), (64, 4, 2, 1, 2), (128, 4, 2, 2, 1),
+]  # fmt: skip
+# a graph cycles through this many L2 sizes of K/V, so that each call reads them from DRAM as a
+# real step does (a whole model's weights pass through L2 between two reads of a layer's cache)
+L2_COPIES = 4
+MAX_COPIES = 256
+
+
+def old_decode_launch(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sms: int) -> dict:
+    """The sweep's baseline, the policy before partitions followed the real length: DECODE_CONFIG,
+    ~2 programs per SM, every partition max_seqlen_k / num_splits keys (at least 256) long."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_seqlen_k, 256)))
+    block_n = DECODE_CONFIG[0]
+    partition_len = triton.cdiv(triton.cdiv(max_seqlen_k, splits), block_n) * block_n
+    return {"config": DECODE_CONFIG, "num_splits": triton.cdiv(max_seqlen_k, partition_len),
+            "min_partition_len": partition_len}  # fmt: skip
+
+
+def launch_label(kw: dict) -> str:
+    """BLOCK_N/num_warps w num_stages s x num_splits p min_partition_len, e.g. 64/4w2s x16 p64."""
+    block_n, num_warps, num_stages = kw["config"]
+    return f"{block_n}/{num_warps}w{num_stages}s x{kw['num_splits']} p{kw['min_partition_len']}"
+
+
+def decode_settings(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sms: int) -> dict:
+    """Name -> paged_attention_decode_triton kwargs: old, new (decode_launch_config, one-tile
+    partitions) and the alternatives that differ from both."""
+    policy = decode_launch_config(num_seqs, num_kv_heads, max_seqlen_k, sms)
+    settings = {
+        "old": old_decode_launch(num_seqs, num_kv_heads, max_seqlen_k, sms),
+        "new": {"config": tuple(policy[:3]), "num_splits": policy.num_splits,
+                "min_partition_len": policy.block_n},
+    }  # fmt: skip
+    for block_n, num_warps, num_stages, times, tiles in DECODE_ALTERNATIVES:
+        kw = {"config": (block_n, num_warps, num_stages), "num_splits": policy.num_splits * times,
+              "min_partition_len": block_n * tiles}  # fmt: skip
+        if kw not in settings.values():
+            settings[launch_label(kw)] = kw
+    return settings
+
+
+def graph_us(calls: list) -> float:
+    """Microseconds per call of `calls` captured back to back in one CUDA graph, as the engine
+    replays a decode step: median of 5 timed batches of replays (~5 ms each)."""
+    if SMOKE:
+        return bench_ms(lambda: [call() for call in calls]) * 1e3 / len(calls)
+    for call in calls:  # compile, and size the caching allocator, outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def replay_ms(replays: int) -> float:
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    replays = max(1, min(1000, round(5 / max(replay_ms(1), 1e-3))))
+    per_replay = sorted(replay_ms(replays) / replays for _ in range(5))[2]
+    return per_replay * 1e3 / len(calls)
+
+
+def bench_decode_sweep(
+    batch: int, ctx: int, max_seqlen_k: int, num_heads: int = 32, num_kv_heads: int = 8,
+    head_dim: int = 128, page: int = 16,
+) -> None:  # fmt: skip
+    """Decode at a real context `ctx` under `max_seqlen_k`, every setting of decode_settings."""
+    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * DTYPE.itemsize  # one call's K and V
+    copies = 1
+    if not SMOKE:
+        l2_bytes = torch.cuda.get_device_properties(DEVICE).L2_cache_size
+        copies = min(MAX_COPIES, triton.cdiv(L2_COPIES * l2_bytes, kv_bytes))
+    num_seqs = batch * copies  # `copies` batches over disjoint pages of one cache
+    args, scale = paged_problem([ctx] * num_seqs, [1] * num_seqs, num_heads, num_kv_heads,
+                                head_dim, page)  # fmt: skip
+    q, k_cache, v_cache, _, seq_lens, block_tables, _, _ = args
+    # as wide as a decode graph's block table (entries past the context are never read)
+    block_tables = torch.nn.functional.pad(
+        block_tables, (0, triton.cdiv(max_seqlen_k, page) - block_tables.shape[1])
+    )
+    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)  # one query each
+    problems = [
+        (q[i * batch : (i + 1) * batch], k_cache, v_cache, cu_seqlens_q, seq_lens[:batch],
+         block_tables[i * batch : (i + 1) * batch], 1, max_seqlen_k)
+        for i in range(copies)
+    ]  # fmt: skip
+    ref = paged_attention_ref(*problems[0], scale)
+    for name, kw in decode_settings(batch, num_kv_heads, max_seqlen_k, num_sms(q.device)).items():
+        try:
+            err = rel_err(paged_attention_decode_triton(*problems[0], scale, **kw), ref)
+            us = graph_us([
+                functools.partial(paged_attention_decode_triton, *p, scale, **kw) for p in problems
+            ])  # fmt: skip
+        except Exception as exc:
+            print(f"decode sweep b{batch} ctx{ctx} {name}: {exc!r}", flush=True)
+            continue
+        row = {"kernel": "decode_sweep", "batch": batch, "ctx": ctx, "max_seqlen_k": max_seqlen_k,
+               "setting": name, "launch": launch_label(kw), **kw, "us": us,
+               "gb_s": kv_bytes / (us * 1e3), "rel_err": err, "ok": err <= BF16_TOL,
+               "copies": copies}  # fmt: skip
+        sweeps.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def print_decode_sweep() -> None:
+    """One line per case: old and new policy, and the fastest setting whose error is in bounds."""
+    cases: dict[tuple[int, int, int], list[dict]] = {}
+    for r in sweeps:
+        cases.setdefault((r["batch"], r["ctx"], r["max_seqlen_k"]), []).append(r)
+    print("decode attention, us per call in a CUDA graph (K/V from DRAM); launch = "
+          "BLOCK_N/num_warps num_stages x num_splits p min partition len")  # fmt: skip
+    print(f"{'batch':>5}{'ctx':>7}{'max_k':>7}{'old us':>9}{'new us':>9}{'new/old':>9}"
+          f"  {'new launch':<22}{'best us':>9}  {'best':<22}all ok")  # fmt: skip
+    nan = {"us": float("nan"), "launch": "-", "setting": "-"}  # a setting that failed to run
+    for (batch, ctx, max_k), rows in cases.items():
+        by_name = {r["setting"]: r for r in rows}
+        old, new = by_name.get("old", nan), by_name.get("new", nan)
+        good = [r for r in rows if r["ok"]]
+        best = min(good, key=lambda r: r["us"]) if good else nan
+        print(f"{batch:>5}{ctx:>7}{max_k:>7}{old['us']:9.1f}{new['us']:9.1f}"
+              f"{new['us'] / old['us']:9.2f}  {new['launch']:<22}{best['us']:9.1f}  "
+              f"{best['setting']:<22}{len(good) == len(rows)}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
+    parser.add_argument(
+        "--decode-sweep",
+        action="store_true",
+        help="only decode attention: launch policies at short contexts, in graphs",
+    )
     opts = parser.parse_args()
     global DEVICE, DTYPE, SMOKE
     if opts.smoke:
@@ -278,16 +439,24 @@ def main() -> None:
         bench_prefill, lambda: bench_prefill(page=64),
         lambda: bench_prefill(head_dim=64, num_heads=32, num_kv_heads=32),
         lambda: bench_decode(64, 1024), lambda: bench_decode(8, 16384),
-        lambda: bench_decode(64, 1024, page=64, configs=[DECODE_CONFIG]),
-        lambda: bench_decode(8, 16384, page=64, configs=[DECODE_CONFIG]),
+        lambda: bench_decode(64, 1024, page=64, sweep=False),
+        lambda: bench_decode(8, 16384, page=64, sweep=False),
     ]  # fmt: skip
     if SMOKE:
         steps = [
             lambda: bench_rms_norm(5, 64), lambda: bench_silu_and_mul(5, 64),
             lambda: bench_rotary(5, 4, 2, 64), lambda: bench_kv_cache(5, 2, 64),
             lambda: bench_prefill(2, 40, 4, 2, 64), lambda: bench_decode(3, 100, 4, 1, 64),
-            lambda: bench_decode(3, 100, 4, 1, 64, page=64, configs=[DECODE_CONFIG]),
+            lambda: bench_decode(3, 100, 4, 1, 64, page=64, sweep=False),
         ]  # fmt: skip
+    if opts.decode_sweep:
+        cases = [(b, ctx, SWEEP_MAX_SEQLEN_K) for b in SWEEP_BATCHES for ctx in SWEEP_CONTEXTS]
+        cases += [(b, ctx, ctx) for b, ctx in SWEEP_GUARDS]
+        shape = {}
+        if SMOKE:  # the interpreter's 8 nominal SMs: 1 and 2 pairs split, 8 do not
+            cases, shape = [(1, 17, 1024), (2, 100, 1024), (8, 40, 40)], {"num_heads": 4,
+                            "num_kv_heads": 1, "head_dim": 64}  # fmt: skip
+        steps = [lambda c=c: bench_decode_sweep(*c, **shape) for c in cases]
     errors = []
     for step in steps:
         try:
@@ -310,6 +479,14 @@ def main() -> None:
     with open(opts.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\n{report['device']}  torch {report['torch']}  triton {report['triton']}")
+    if opts.decode_sweep:
+        print_decode_sweep()
+    else:
+        print_results()
+    print(f"{len(errors)} step(s) failed" if errors else "all steps ran")
+
+
+def print_results() -> None:
     print(f"{'kernel':<22}{'ms':>9}{'rate':>16}{'of ceiling':>12}{'rel err':>10}  ok")
     for r in results:
         rate = f"{r['gb_s']:.0f} GB/s" if "gb_s" in r else f"{r['tflop_s']:.0f} TFLOP/s"
@@ -321,7 +498,6 @@ def main() -> None:
         }
         print(f"{r['kernel']:<22}{r['ms']:9.3f}{rate:>16}{r['ratio']:12.1%}{r['rel_err']:10.1e}"
               f"  {r['ok']}{ref} {sdpa or ''}")  # fmt: skip
-    print(f"{len(errors)} step(s) failed" if errors else "all steps ran")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@
 A step launches hundreds of small kernels; replaying a captured graph removes their launch
 overhead, which dominates at small batch (decode) and for short prompts (time to first token).
 Every graph reads its inputs from the same static buffers and shares one memory pool. Decode
-attention is captured with ``max_seqlen_k`` fixed at ``max_model_len``: the decode kernel sizes
-its KV partitions from it and skips the partitions beyond each sequence's real length, so one
-graph serves every context length. A prefill graph of T tokens serves prompts of up to T tokens
+attention is captured with ``max_seqlen_k`` fixed at ``max_model_len``, which sets only its split
+count: the kernel cuts each sequence's real length over those splits on the device, so one graph
+serves every context length. A prefill graph of T tokens serves prompts of up to T tokens
 that start at position 0: padded rows write no KV and no later row reads them.
 """
 

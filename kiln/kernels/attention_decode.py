@@ -1,39 +1,88 @@
 """Decode attention (one query token per sequence) over the paged KV cache, split-KV.
 
-Flash-decoding: the context of each sequence is cut into num_splits partitions of
-`partition_len` keys, one program per (sequence, kv head, partition), so that a small batch with
-long contexts still fills the GPU. Each program loads every K/V tile of its kv head once and
-scores it against all GROUP = num_heads / num_kv_heads query heads that share it (a
+Flash-decoding: the grid has num_splits programs per (sequence, kv head), and each sequence's
+real context is cut into partitions of whole BLOCK_N tiles, one program each, so that a small
+batch still fills the GPU. Each program loads every K/V tile of its kv head once and scores it
+against all GROUP = num_heads / num_kv_heads query heads that share it (a
 [GROUP, HEAD_DIM] x [HEAD_DIM, BLOCK_N] product, GROUP padded to 16 rows for the tensor cores).
 A partition leaves its normalized output o_s and log-sum-exp lse_s (base 2); the second pass
 combines them exactly:
 
     out = sum_s w_s o_s,    w_s = 2^(lse_s - max lse) / sum_s' 2^(lse_s' - max lse)
 
-With a single partition (DIRECT) the first pass writes the output directly and no second pass runs.
+num_splits is a host choice (fixed when a CUDA graph is captured, with max_seqlen_k at the model's
+maximum length), but the partition length is computed in the kernel from the sequence's real
+length: a short context is spread over as many splits as it has tiles, a long one over all of
+them, and the splits it does not need exit at once. With a single split (DIRECT) the first pass
+writes the output directly and no second pass runs.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from kiln.kernels._triton import next_power_of_2, num_sms, tl, triton
 from kiln.kernels.attention_prefill import LOG2E, _attn_tile, check_attention_args
 
-# (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py)
+# (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py). With fewer
+# (sequence, kv head) pairs than SMs a partition is often a single tile, and a smaller tile lets a
+# short context spread over more programs.
 DECODE_CONFIG = (128, 4, 2)
-MIN_PARTITION_LEN = 256  # shorter partitions cost more in the reduction than they win in overlap
+SMALL_BATCH_CONFIG = (64, 4, 2)
+# at full length (max_seqlen_k keys) shorter partitions cost more in the reduction than they win
+# in overlap; a shorter real context still goes down to one tile per partition
+MIN_PARTITION_LEN = 256
+PROGRAMS_PER_SM = 2  # the split count aims at this many programs per SM at full length
+
+
+class DecodeLaunch(NamedTuple):
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+
+
+def decode_launch_config(
+    num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sms: int
+) -> DecodeLaunch:
+    """Tile config and split count for a decode launch, from host ints only.
+
+    The result is baked into a CUDA graph captured with max_seqlen_k = max_model_len, so it must
+    not read a tensor. The split count gives ~PROGRAMS_PER_SM programs per SM at full length with
+    partitions of at least MIN_PARTITION_LEN keys (the previous policy, unchanged). What makes a
+    short context fast is that the kernel sizes partitions from the real length, down to one
+    BLOCK_N tile: with fewer (sequence, kv head) pairs than SMs the tile is SMALL_BATCH_CONFIG's
+    64 keys, so that a 256-token context at batch 1 (8 kv heads) runs 32 one-tile programs instead
+    of 8 two-tile ones. With at least one pair per SM, DECODE_CONFIG stays: every SM already has
+    a pair to work on (at 64 x 8 pairs there is one split and no reduction, as before).
+    """
+    programs = max(num_seqs * num_kv_heads, 1)
+    block_n, num_warps, num_stages = DECODE_CONFIG if programs >= sms else SMALL_BATCH_CONFIG
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
+    num_splits = max(1, min(wanted, triton.cdiv(max_seqlen_k, MIN_PARTITION_LEN)))
+    return DecodeLaunch(block_n, num_warps, num_stages, num_splits)
+
+
+@triton.jit
+def _partition_len(seq_len, num_splits, min_partition_len, block_n):
+    """Keys per partition of a sequence: its real length over the splits, in whole tiles (so that
+    only the last partition has a ragged tile), never under min_partition_len. Both passes call
+    this, so the reduction reads exactly the partitions that ran."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), block_n) * block_n
+    return tl.maximum(per_split, min_partition_len)
 
 
 # these ints change with batch and context length: no per-value specialization, so a new step
 # shape never triggers a compile while serving
-@triton.jit(do_not_specialize=["stride_bt", "partition_len", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "min_partition_len", "num_splits"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    qk_scale, partition_len, num_heads, num_splits,
+    qk_scale, min_partition_len, num_heads, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
@@ -44,6 +93,7 @@ def _decode_kernel(
     if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:  # no query for this sequence this step
         return
     seq_len = tl.load(seq_lens_ptr + seq)
+    partition_len = _partition_len(seq_len, num_splits, min_partition_len, BLOCK_N)
     start = split * partition_len
     if start >= seq_len:
         return
@@ -88,10 +138,10 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["partition_len", "num_splits"])
+@triton.jit(do_not_specialize=["min_partition_len", "num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-    stride_ot, stride_oh, partition_len, num_heads, num_splits,
+    stride_ot, stride_oh, min_partition_len, num_heads, num_splits, block_n,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
@@ -99,7 +149,9 @@ def _decode_reduce_kernel(
     q_row = tl.load(cu_seqlens_q_ptr + seq)
     if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
         return
-    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_len)  # partitions that ran
+    seq_len = tl.load(seq_lens_ptr + seq)
+    partition_len = _partition_len(seq_len, num_splits, min_partition_len, block_n)
+    num_parts = tl.cdiv(seq_len, partition_len)  # partitions that ran
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < num_parts
@@ -114,13 +166,6 @@ def _decode_reduce_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sms: int) -> int:
-    """Enough partitions for ~2 programs per SM, none shorter than MIN_PARTITION_LEN keys."""
-    programs = num_seqs * num_kv_heads
-    wanted = triton.cdiv(2 * sms, max(programs, 1))
-    return max(1, min(wanted, triton.cdiv(max_seqlen_k, MIN_PARTITION_LEN)))
-
-
 def paged_attention_decode_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -133,22 +178,31 @@ def paged_attention_decode_triton(
     scale: float,
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
+    min_partition_len: int | None = None,
 ) -> torch.Tensor:
-    """Launch decode (+ reduction); every sequence has at most one query token."""
+    """Launch decode (+ reduction); every sequence has at most one query token.
+
+    num_splits and config = (BLOCK_N, num_warps, num_stages) override decode_launch_config's
+    choice, and min_partition_len the one-tile floor of the partition length (tests and
+    benchmarks/gpu_kernels.py sweep them; a floor of the old max_seqlen_k / num_splits
+    reproduces partitions sized from max_seqlen_k alone).
+    """
     num_seqs, num_heads, num_kv_heads, head_dim = check_attention_args(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
     )
     assert max_seqlen_q <= 1, "decode kernel takes one query token per sequence"
     assert head_dim in (64, 128), f"head_dim {head_dim} not in [64, 128]"
-    block_n, num_warps, num_stages = config or DECODE_CONFIG
     out = torch.empty_like(q)
     if q.shape[0] == 0 or num_seqs == 0 or max_seqlen_k == 0:
         return out
+    launch = decode_launch_config(num_seqs, num_kv_heads, max_seqlen_k, num_sms(q.device))
+    block_n, num_warps, num_stages = config or launch[:3]
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, num_sms(q.device))
-    # partitions hold whole tiles; recompute the count so that none is empty by construction
-    partition_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_seqlen_k, partition_len)
+        num_splits = launch.num_splits
+    # partitions hold whole tiles and at least min_partition_len keys: a split past
+    # cdiv(max_seqlen_k, min_partition_len) could never run, so none is launched
+    min_partition_len = triton.cdiv(min_partition_len or block_n, block_n) * block_n
+    num_splits = max(1, min(num_splits, triton.cdiv(max_seqlen_k, min_partition_len)))
     group = num_heads // num_kv_heads
     if num_splits > 1:
         shape = (q.shape[0], num_heads, num_splits)
@@ -161,7 +215,7 @@ def paged_attention_decode_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E, partition_len, num_heads, num_splits,
+        scale * LOG2E, min_partition_len, num_heads, num_splits,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=num_splits == 1,
         num_warps=num_warps, num_stages=num_stages,
@@ -169,7 +223,7 @@ def paged_attention_decode_triton(
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, cu_seqlens_q, seq_lens, out.stride(0), out.stride(1),
-            partition_len, num_heads, num_splits,
+            min_partition_len, num_heads, num_splits, block_n,
             BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim,
             num_warps=4,
         )  # fmt: skip
