@@ -44,7 +44,6 @@ from kiln.kernels._triton import num_sms
 from kiln.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kiln.kernels.attention import paged_attention_ref
 from kiln.kernels.attention_decode import (
-    DECODE_CONFIG,
     decode_launch_config,
     paged_attention_decode_triton,
 )
@@ -293,17 +292,19 @@ DECODE_ALTERNATIVES = [
 # a graph cycles through this many L2 sizes of K/V, so that each call reads them from DRAM as a
 # real step does (a whole model's weights pass through L2 between two reads of a layer's cache)
 L2_COPIES = 4
+OLD_DECODE_CONFIG = (128, 4, 2)
 MAX_COPIES = 256
 
 
 def old_decode_launch(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sms: int) -> dict:
-    """The sweep's baseline, the policy before partitions followed the real length: DECODE_CONFIG,
-    ~2 programs per SM, every partition max_seqlen_k / num_splits keys (at least 256) long."""
+    """The sweep's baseline, the policy before partitions followed the real length: tiles of
+    128 keys, 4 warps, ~2 programs per SM, every partition max_seqlen_k / num_splits keys (at
+    least 256) long."""
     programs = max(num_seqs * num_kv_heads, 1)
     splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_seqlen_k, 256)))
-    block_n = DECODE_CONFIG[0]
+    block_n = OLD_DECODE_CONFIG[0]
     partition_len = triton.cdiv(triton.cdiv(max_seqlen_k, splits), block_n) * block_n
-    return {"config": DECODE_CONFIG, "num_splits": triton.cdiv(max_seqlen_k, partition_len),
+    return {"config": OLD_DECODE_CONFIG, "num_splits": triton.cdiv(max_seqlen_k, partition_len),
             "min_partition_len": partition_len}  # fmt: skip
 
 

@@ -26,10 +26,11 @@ import torch
 from kiln.kernels._triton import next_power_of_2, num_sms, tl, triton
 from kiln.kernels.attention_prefill import LOG2E, _attn_tile, check_attention_args
 
-# (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py). With fewer
-# (sequence, kv head) pairs than SMs a partition is often a single tile, and a smaller tile lets a
-# short context spread over more programs.
-DECODE_CONFIG = (128, 4, 2)
+# (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py --decode-sweep,
+# benchmarks/results/h100/decode_sweep.txt: at 64 x 1k context 64/2w runs 96 us against 104 for
+# the earlier 128/4w). With fewer (sequence, kv head) pairs than SMs a partition is often a single
+# tile, and a smaller tile lets a short context spread over more programs.
+DECODE_CONFIG = (64, 2, 2)
 SMALL_BATCH_CONFIG = (64, 4, 2)
 # at full length (max_seqlen_k keys) shorter partitions cost more in the reduction than they win
 # in overlap; a shorter real context still goes down to one tile per partition
