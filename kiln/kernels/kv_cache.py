@@ -8,6 +8,7 @@ The caches are [num_blocks, block_size, num_kv_heads, head_dim] and are written 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kiln.kernels._triton import next_power_of_2, tl, triton, use_triton
@@ -109,9 +110,17 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; choose auto or fp8")
 
 
+def fp8_inv_scale(scale: float) -> float:
+    """1 / scale rounded to float32: every path computes x / scale as x * fp8_inv_scale(scale).
+
+    torch on CUDA divides by a Python scalar that way anyway, and true division on CPU (or in a
+    kernel) would round differently in the last bit, which an fp8 code occasionally inherits."""
+    return float(np.float32(1.0) / np.float32(scale))
+
+
 def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     """k or v [T, H_kv, D] in the model dtype -> fp8 for the cache (call before the write)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (x.float() * fp8_inv_scale(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_kv(cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

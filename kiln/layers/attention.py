@@ -1,4 +1,8 @@
-"""Attention front-end: write this step's K/V into the paged cache, then attend over it.
+"""Attention front-end: rotate q and k, write this step's K/V into the paged cache, then attend.
+
+Rotary happens here rather than in the model so that on the Triton path the rotation and the
+cache write are one kernel launch (kiln/kernels/rotary.py); the reference path runs them as
+separate PyTorch steps.
 
 The model never sees the cache layout: every forward receives an ``AttentionMetadata`` that
 says where each new token's K/V goes (``slot_mapping``) and which blocks each sequence reads
@@ -14,7 +18,8 @@ import torch
 from torch import nn
 
 from kiln.kernels.attention import paged_attention, paged_attention_ref
-from kiln.kernels.kv_cache import FP8_DTYPE, attention_scales, quantize_kv, write_kv_cache
+from kiln.kernels.kv_cache import FP8_DTYPE, attention_scales
+from kiln.kernels.rotary import rotary_write_kv_cache
 
 
 @dataclass
@@ -49,16 +54,21 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] before rotary, positions [T] -> [T, H * D].
+
+        q and k are rotated with ``cos_sin_cache`` ([max_positions, rot_dim] float32, see
+        kiln/layers/rotary.py). q, k, v stay the first three arguments: calibration's forward
+        pre-hooks read k and v there (kiln/quant/calibration.py), k still unrotated."""
         k_cache, v_cache = meta.kv_caches[self.layer_idx]
         scale = self.scale
         fp8 = k_cache.dtype == FP8_DTYPE
         if fp8:  # K and V are stored as x / scale; the scales fold into the softmax and output
-            k, v = quantize_kv(k, self.k_scale), quantize_kv(v, self.v_scale)
             scale, out_scale = attention_scales(scale, self.k_scale, self.v_scale)
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # attention reads the new K/V back from the cache, so the rotated k is not needed here
+        q = rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                                  meta.slot_mapping, self.k_scale, self.v_scale)
         if meta.backend != "triton":
             out = paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                       meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k,

@@ -1,4 +1,7 @@
-"""Rotary position embedding: the cos/sin table (with llama3 / linear scaling) and its use."""
+"""Rotary position embedding: the cos/sin table (with llama3 / linear scaling).
+
+The attention front-end applies it (kiln/layers/attention.py), fused with the KV-cache write.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import math
 import torch
 from torch import nn
 
-from kiln.kernels.rotary import apply_rotary
 from kiln.models.arch import RopeConfig
 
 
@@ -41,7 +43,3 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, head_dim]: cos in the first half, sin in the second (kernel contract)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(q, k, positions, self.cos_sin_cache)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.kernels.rotary import apply_rotary_ref
 from kiln.quant.kv_cache import attention_layers
 from kiln.quant.methods import quantized_linears
 from kiln.quant.observers import MinMaxObserver
@@ -154,8 +155,9 @@ def collect_kv_amax(model: nn.Module, ids: torch.Tensor, batch_size: int = 4
     amax = [[MinMaxObserver(), MinMaxObserver()] for _ in layers]
 
     def hook_for(obs: list[MinMaxObserver]) -> Callable:
-        def hook(_mod, args):  # args: (q, k, v, meta)
-            obs[0].update(args[1])
+        def hook(_mod, args):  # args: (q, k, v, meta, positions, cos_sin_cache)
+            # the cache stores k after rotary, which can raise |k| by up to sqrt(2)
+            obs[0].update(apply_rotary_ref(args[0], args[1], args[4], args[5])[1])
             obs[1].update(args[2])
         return hook
 
