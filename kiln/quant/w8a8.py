@@ -21,10 +21,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 QMAX = {"fp8": 448.0, "int8": 127.0}
 STORAGE = {"fp8": FP8_DTYPE, "int8": torch.int8}
 MIN_AMAX = 1e-6  # an all-zero row still gets a finite scale
-# FP8 GEMMs with at most this many rows run with the operands swapped (see _scaled_mm_swapped);
-# a first guess from vLLM's CUTLASS dispatch, to be set from benchmarks/gpu_quant.py's
-# "fp8-w8a8 swap_ab" rows
-SWAP_AB_MAX_M = 64
 
 
 @triton.jit
@@ -129,45 +125,15 @@ def _int_mm_padded(xq: torch.Tensor, wq_t: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(padded, wq_t)[:m]
 
 
-def _scaled_mm_swapped(x2: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
-                       smooth: torch.Tensor | None, static_scale: torch.Tensor | None,
-                       bias: torch.Tensor | None) -> torch.Tensor:
-    """FP8 y = (W x^T)^T for few rows: x's rows become the GEMM's narrow N dimension.
-
-    cuBLASLt tiles the row dimension of the first operand in blocks of 64 or more, so at decode
-    batch sizes most of each tile is padding and the weights stream at a fraction of the
-    bandwidth; with the weight first every tile is full. _scaled_mm needs the second operand's
-    dimensions divisible by 16, so the rows are padded (zero rows quantize to zero).
-    """
-    m = x2.shape[0]
-    pad = -m % 16
-    xq, xs = quant_per_token_triton(F.pad(x2, (0, 0, 0, pad)) if pad else x2, "fp8", smooth,
-                                    static_scale)
-    y_t = torch._scaled_mm(wq, xq.t(), scale_a=w_scales.float()[:, None],
-                           scale_b=xs.reshape(1, -1), out_dtype=torch.bfloat16)  # [N, M + pad]
-    y = y_t[:, :m].t()
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.contiguous()
-
-
 def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, kind: str,
                 smooth: torch.Tensor | None = None, static_scale: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None, swap_ab: bool | None = None) -> torch.Tensor:
-    """y = x W^T + b with W8A8; x [..., K] -> [..., N] in x.dtype. wq is [N, K] row-major.
-
-    ``swap_ab`` (FP8 only) computes (W x^T)^T; None picks it for at most SWAP_AB_MAX_M rows.
-    """
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b with W8A8; x [..., K] -> [..., N] in x.dtype. wq is [N, K] row-major."""
     if not (use_triton(x, wq) and x.is_cuda):
         return w8a8_linear_ref(x, wq, w_scales, kind, smooth, static_scale, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if swap_ab is None:
-        swap_ab = x2.shape[0] <= SWAP_AB_MAX_M
-    if kind == "fp8" and swap_ab:
-        y = _scaled_mm_swapped(x2, wq, w_scales, smooth, static_scale, bias).to(x.dtype)
-        return y.reshape(*x.shape[:-1], -1)
     xq, xs = quant_per_token_triton(x2, kind, smooth, static_scale)
     if kind == "fp8":
         # row-wise scaling takes bf16 output only; [K, N] column-major is wq.t()

@@ -198,18 +198,14 @@ def test_gpu(case, m):
 
 
 @gpu
-@pytest.mark.parametrize("kind, swap_ab", [("int8", None), ("fp8", False), ("fp8", True)])
-@pytest.mark.parametrize("m", [1, 5, 33, 64, 130])
-def test_gpu_w8a8(kind, swap_ab, m):
-    """Both FP8 operand orders (swap_ab: the weight first, rows padded to 16), with a bias."""
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 33])
+def test_gpu_w8a8(kind, m):
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(512, 1024, generator=gen)
     x = torch.randn(m, 1024, generator=gen).bfloat16()
     smooth = torch.rand(1024, generator=gen) + 0.5
-    bias = torch.randn(512, generator=gen).bfloat16()
     wq, ws = w8a8.quantize_weight(w, kind, "channel")
-    ref = w8a8.w8a8_linear_ref(x, wq, ws, kind, smooth, bias=bias)
-    out = w8a8.w8a8_linear(x.cuda(), wq.cuda(), ws.cuda(), kind, smooth.cuda(),
-                           bias=bias.cuda(), swap_ab=swap_ab)
-    assert out.is_contiguous() and out.shape == (m, 512)
-    assert_rel_close(out.cpu(), ref, 1e-2, f"w8a8 {kind} swap_ab={swap_ab} m={m}")
+    ref = w8a8.w8a8_linear_ref(x, wq, ws, kind, smooth)
+    out = w8a8.w8a8_linear(x.cuda(), wq.cuda(), ws.cuda(), kind, smooth.cuda())
+    assert_rel_close(out.cpu(), ref, 1e-2, f"w8a8 {kind} m={m}")
