@@ -55,7 +55,8 @@ def versions() -> dict[str, str | None]:
 def git_commit(root: Path = REPO_ROOT) -> str | None:
     """The checked-out commit, read from ``.git`` (no git process); ``KILN_GIT_COMMIT`` wins.
 
-    The GPU machine receives a copy of the tree without ``.git``: set KILN_GIT_COMMIT there.
+    The GPU machine receives a copy of the tree whose ``.git`` may be missing or stale: set
+    KILN_GIT_COMMIT there.
     """
     if os.environ.get("KILN_GIT_COMMIT"):
         return os.environ["KILN_GIT_COMMIT"]
