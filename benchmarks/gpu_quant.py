@@ -160,9 +160,10 @@ def check_one(results: list[dict], n: int, k: int, m: int) -> None:
     for kind in ("fp8", "int8"):
         wq, ws = getattr(f, kind)
         ref = w8a8.w8a8_linear_ref(x.float(), wq, ws, kind).double()
-        err = rel_err(w8a8.w8a8_linear(x, wq, ws, kind), ref)
-        results.append(dict(check=f"{kind}-w8a8", path="cublas", n=n, k=k, m=m,
-                            rel_err=err, ok=err < 2e-2))
+        for triton_gemm in (False, True) if kind == "fp8" else (False,):
+            err = rel_err(w8a8.w8a8_linear(x, wq, ws, kind, triton_gemm=triton_gemm), ref)
+            results.append(dict(check=f"{kind}-w8a8", path="triton" if triton_gemm else "cublas",
+                                n=n, k=k, m=m, rel_err=err, ok=err < 2e-2))
         q, s = w8a8.quant_per_token_triton(x, kind)
         q_ref, s_ref = w8a8.quant_per_token_ref(x, kind)
         same = (q.float() == q_ref.float()).float().mean().item()
@@ -188,7 +189,10 @@ def time_one(results: list[dict], f: Formats, n: int, k: int, m: int) -> None:
         ops[f"{label} dequant+cublas"] = (
             args, lambda a: lambda: x @ qg.wint_dequant_triton(*a, DTYPE).t())
     wq, ws = f.fp8
-    ops["fp8-w8a8 scaled_mm"] = ((wq, ws), lambda a: lambda: w8a8.w8a8_linear(x, *a, "fp8"))
+    for triton_gemm in (False, True):  # torch._scaled_mm, kiln/kernels/fp8_gemm.py
+        ops[f"fp8-w8a8 {'triton' if triton_gemm else 'scaled_mm'}"] = (
+            (wq, ws), lambda a, t=triton_gemm: lambda: w8a8.w8a8_linear(x, *a, "fp8",
+                                                                      triton_gemm=t))
     if m <= qg.SMALL_M:
         ops["fp8 weight-only fused"] = (f.fp8_wo, lambda a: lambda: qg.wint_gemm_triton(x, *a))
     ops["int8-w8a8 int_mm"] = (f.int8, lambda a: lambda: w8a8.w8a8_linear(x, *a, "int8"))

@@ -16,11 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels._triton import next_power_of_2, tl, triton, use_triton
+from kiln.kernels.fp8_gemm import fp8_gemm_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 QMAX = {"fp8": 448.0, "int8": 127.0}
 STORAGE = {"fp8": FP8_DTYPE, "int8": torch.int8}
 MIN_AMAX = 1e-6  # an all-zero row still gets a finite scale
+FP8_GEMM_MAX_M = 64  # FP8 rows up to which the Triton GEMM beats _scaled_mm (gpu_quant.py)
 
 
 @triton.jit
@@ -127,14 +129,24 @@ def _int_mm_padded(xq: torch.Tensor, wq_t: torch.Tensor) -> torch.Tensor:
 
 def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, kind: str,
                 smooth: torch.Tensor | None = None, static_scale: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b with W8A8; x [..., K] -> [..., N] in x.dtype. wq is [N, K] row-major."""
+                bias: torch.Tensor | None = None,
+                triton_gemm: bool | None = None) -> torch.Tensor:
+    """y = x W^T + b with W8A8; x [..., K] -> [..., N] in x.dtype. wq is [N, K] row-major.
+
+    FP8 GEMMs of at most FP8_GEMM_MAX_M rows run kiln/kernels/fp8_gemm.py instead of
+    torch._scaled_mm (``triton_gemm`` forces either, for the benchmarks).
+    """
     if not (use_triton(x, wq) and x.is_cuda):
         return w8a8_linear_ref(x, wq, w_scales, kind, smooth, static_scale, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     xq, xs = quant_per_token_triton(x2, kind, smooth, static_scale)
+    if triton_gemm is None:
+        triton_gemm = x2.shape[0] <= FP8_GEMM_MAX_M and x2.shape[1] % 128 == 0
+    if kind == "fp8" and triton_gemm:
+        y = fp8_gemm_triton(xq, xs, wq, w_scales, bias, out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], -1)
     if kind == "fp8":
         # row-wise scaling takes bf16 output only; [K, N] column-major is wq.t()
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scales.float()[None, :],
