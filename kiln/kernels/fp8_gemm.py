@@ -60,11 +60,16 @@ def _fp8_gemm_kernel(
 
 
 def fp8_gemm_config(m: int, n: int, sms: int) -> Fp8GemmConfig:
-    """Rows in one tile up to 64; the widest column tile whose grid still covers every SM."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    row_tiles = triton.cdiv(m, block_m)
-    block_n = next((b for b in (128, 64, 32) if triton.cdiv(n, b) * row_tiles >= sms), 16)
-    return Fp8GemmConfig(block_m, block_n, 128, 4, 5)
+    """Tiles from the H100 sweep (benchmarks/results/h100/fp8_gemm_sweep.txt, M = 8 ... 64).
+
+    Rows: one 64-row tile (the wgmma shape; 16-row tiles were never faster). Columns: layers
+    too narrow for one 64-column program per SM (o_proj and down_proj, N = 4096; qkv, 6144) take
+    32 columns a program with 8 warps and a 6-deep pipeline; wide ones (gate_up) take 64 columns
+    and 256-deep K steps.
+    """
+    if triton.cdiv(n, 64) < sms:
+        return Fp8GemmConfig(64, 32, 128, 8, 6)
+    return Fp8GemmConfig(64, 64, 256, 4, 3)
 
 
 def fp8_gemm_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor,
