@@ -18,7 +18,7 @@ from torch import nn
 
 from kiln.bench.stats import request_latencies
 from kiln.bench.workload import BenchRequest
-from kiln.layers.embedding import LMHead, VocabParallelEmbedding
+from kiln.layers.embedding import VocabParallelEmbedding
 from kiln.layers.rotary import RotaryEmbedding
 from kiln.llm import LLM
 from kiln.outputs import RequestOutput
@@ -109,14 +109,14 @@ def request_record(out: RequestOutput, case: int, t0: float) -> dict[str, Any]:
 
 def _gathered(module: nn.Module) -> bool:
     """Tables a step reads one row of per token (by token id or position), not in full."""
-    return isinstance(module, RotaryEmbedding) or (
-        isinstance(module, VocabParallelEmbedding) and not isinstance(module, LMHead))
+    return isinstance(module, RotaryEmbedding | VocabParallelEmbedding)
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of weights a decode step reads: every parameter and buffer of the model (quantized
-    Linears hold their codes, scales and zeros as buffers) except the input embedding and
-    rotary tables. A tied LM head shares the embedding's tensor and counts it once."""
+    Linears, the LM head among them, hold their codes, scales and zeros as buffers) except the
+    input embedding and rotary tables. A dense tied LM head shares the embedding's tensor and
+    counts it once; a quantized one counts its codes, not the embedding table it came from."""
     read = {id(t): t for module in model.modules() if not _gathered(module)
             for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]}
     return sum(t.numel() * t.element_size() for t in read.values())

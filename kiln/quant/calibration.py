@@ -138,7 +138,8 @@ def run_batches(model: nn.Module, ids: torch.Tensor, batch_size: int,
 def collect_linear_stats(model: nn.Module, ids: torch.Tensor,
                          make_stats: Callable[[str], LinearStats],
                          batch_size: int = 4) -> dict[str, LinearStats]:
-    """Run the calibration ids through the model and gather ``make_stats(name)`` per Linear."""
+    """Run the calibration ids through the model and gather ``make_stats(name)`` per Linear
+    (the LM head included, so that one pass serves configs with and without a quantized head)."""
     stats: dict[str, LinearStats] = {}
     hooks = []
     for name, layer in quantized_linears(model):

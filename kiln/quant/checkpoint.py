@@ -37,8 +37,9 @@ def save_quantized(model: nn.Module, cfg: QuantConfig, out_dir: str | Path,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
+    # a tied dense head is the embedding's tensor: saved once (a quantized one has no .weight)
     state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()
-             if not (tied and name == "lm_head.weight")}  # tied: one copy, the embedding
+             if not (tied and name == "lm_head.weight")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     if source_dir is not None:
         for name in COPIED_FILES:
@@ -72,9 +73,13 @@ def read_quant_config(path: str | Path) -> QuantConfig | None:
     return None
 
 
-def load_quantized_weights(model: nn.Module, files: list[Path]) -> None:
-    """Fill a model whose Linears carry quantized methods from Kiln-layout safetensors files."""
-    linears = dict(quantized_linears(model))
+def load_quantized_weights(model: nn.Module, cfg: QuantConfig, files: list[Path]) -> None:
+    """Fill a model whose Linears carry ``cfg``'s methods from Kiln-layout safetensors files.
+
+    A tied LM head that ``cfg`` quantizes reads its own codes; the embedding table it shared
+    comes from ``embed_tokens.weight`` like any dense tensor.
+    """
+    linears = dict(quantized_linears(model, cfg.quantize_lm_head))
     params = dict(model.named_parameters())
     required = {n for n in params if not (n.rpartition(".")[0] in linears
                                           and n.endswith(".weight"))}
@@ -133,6 +138,6 @@ def setup_quantization(model: nn.Module, path: Path | None, quantization: str | 
         raise ValueError(f"{path} is a quantized checkpoint: load_format='dummy' does not "
                          "apply; use --quantization with a dense model for dummy weights")
     install_methods(model, pre)
-    load_quantized_weights(model, files)
+    load_quantized_weights(model, pre, files)
     set_kv_scales(model, pre.kv_cache_scales)
     return True

@@ -16,13 +16,14 @@ from kiln.quant.config import ACTIVATION_SCHEMES, METHODS, OBSERVERS, W8A8_DTYPE
 
 def build_config(method: str, bits: int, group_size: int | None, asym: bool, act_order: bool,
                  w8a8_dtype: str | None, weight_scale: str, activation_scheme: str,
-                 observer: str, alpha: float) -> QuantConfig:
+                 observer: str, alpha: float, dense_lm_head: bool) -> QuantConfig:
     """Map command-line choices onto one QuantConfig (its checks give the error messages)."""
     if method in ("rtn", "awq", "gptq"):
         if group_size is None:
             group_size = 128 if bits == 4 else -1
         return QuantConfig(method=method, scheme="wint", bits=bits, group_size=group_size,
-                           symmetric=not asym, act_order=act_order, observer=observer)
+                           symmetric=not asym, act_order=act_order, observer=observer,
+                           quantize_lm_head=False if dense_lm_head else None)
     dtype = w8a8_dtype or ("fp8" if method == "fp8" else "int8")
     if method == "fp8" and dtype != "fp8":
         raise ValueError("method='fp8' stores FP8 weights; use smoothquant for INT8 W8A8")
@@ -41,6 +42,8 @@ def build_config(method: str, bits: int, group_size: int | None, asym: bool, act
               help="32, 64, 128, or -1 per channel [default: 128 for 4 bits, -1 for 8]")
 @click.option("--asym", is_flag=True, help="asymmetric grid (zero points)")
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal")
+@click.option("--dense-lm-head", is_flag=True,
+              help="rtn / awq / gptq: keep the LM head in the model dtype (W8A8 always does)")
 @click.option("--w8a8-dtype", type=click.Choice(W8A8_DTYPES), default=None,
               help="smoothquant: int8 (default) or fp8")
 @click.option("--weight-scale", type=click.Choice(["channel", "tensor"]), default="channel",
@@ -60,7 +63,7 @@ def build_config(method: str, bits: int, group_size: int | None, asym: bool, act
 @click.option("--device", default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 def quantize_cmd(model: str, method: str, bits: str, group_size: int | None, asym: bool,
-                 act_order: bool, w8a8_dtype: str | None, weight_scale: str,
+                 act_order: bool, dense_lm_head: bool, w8a8_dtype: str | None, weight_scale: str,
                  activation_scheme: str, observer: str, alpha: float, calibration: str,
                  num_samples: int, seq_len: int, out_dir: str, dtype: str, device: str,
                  seed: int) -> None:
@@ -73,7 +76,7 @@ def quantize_cmd(model: str, method: str, bits: str, group_size: int | None, asy
     start = time.perf_counter()
     try:
         cfg = build_config(method, int(bits), group_size, asym, act_order, w8a8_dtype,
-                           weight_scale, activation_scheme, observer, alpha)
+                           weight_scale, activation_scheme, observer, alpha, dense_lm_head)
         loaded = load_model(model, dtype=dtype, device=device, seed=seed)
         before = model_size_bytes(loaded.model)
         ids = None

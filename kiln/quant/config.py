@@ -9,6 +9,10 @@ Two weight formats cover every method (the method only decides how the numbers a
   or per output channel, activation scales dynamic per token or static per tensor (calibrated),
   optional SmoothQuant ``smooth`` vector.
 
+``quantize_lm_head`` says whether the LM head takes the format too. It does by default for
+``wint``: at batch 1 the bf16 head is the largest single read of a weight-only decode step.
+``w8a8`` keeps it in the model dtype, as vLLM's FP8 does, so that the comparison stays fair.
+
 The JSON form (``to_json`` / ``from_json``) is the quantization config written next to a
 quantized checkpoint.
 """
@@ -51,6 +55,7 @@ class QuantConfig:
     activation_scheme: str = "dynamic"
     observer: str = "minmax"  # static activation scales: how the calibrated range is chosen
     alpha: float = 0.5  # SmoothQuant migration strength
+    quantize_lm_head: bool | None = None  # None: the scheme's default (wint: yes, w8a8: no)
     kv_cache_scales: list[list[float]] | None = None  # per layer [k_scale, v_scale] (FP8 KV)
     calibration: dict[str, Any] = field(default_factory=dict)  # provenance, written to JSON
 
@@ -74,6 +79,11 @@ class QuantConfig:
                 raise ValueError(f"method={self.method!r} produces weight-only integers; "
                                  "use scheme='wint'")
             self.bits, self.group_size = 8, -1
+            if self.quantize_lm_head:
+                raise ValueError("scheme='w8a8' keeps the LM head in the model dtype; "
+                                 "quantize_lm_head applies to scheme='wint'")
+        if self.quantize_lm_head is None:
+            self.quantize_lm_head = self.scheme == "wint"
         _check("observer", self.observer, OBSERVERS)
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha} (SmoothQuant migration strength) must be in "
@@ -88,7 +98,8 @@ class QuantConfig:
             group = "channel" if self.group_size == -1 else f"g{self.group_size}"
             kind = "sym" if self.symmetric else "asym"
             order = ", act-order" if self.act_order else ""
-            return f"W{self.bits}A16 {group} {kind} ({self.method}{order})"
+            head = "" if self.quantize_lm_head else ", dense LM head"
+            return f"W{self.bits}A16 {group} {kind} ({self.method}{order}{head})"
         return (f"{self.w8a8_dtype.upper()} W8A8 {self.weight_granularity}/"
                 f"{self.activation_scheme} ({self.method})")
 
@@ -119,7 +130,8 @@ class QuantConfig:
         unknown = sorted(set(data) - names - {"format", "version"})
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}")
-        return cls(**{k: v for k, v in data.items() if k in names})
+        # configs written before quantize_lm_head existed kept the LM head dense
+        return cls(**{"quantize_lm_head": False, **{k: v for k, v in data.items() if k in names}})
 
 
 # `--quantization NAME` at load: quantize the dense checkpoint on the fly, no calibration

@@ -10,6 +10,10 @@ dropped and the layer holds buffers instead (so ``state_dict`` is the quantized 
 - ``W8A8Method``: qweight (fp8 / int8 [N, K]), w_scales float32 [N] (per-tensor scales are
   stored expanded to [N]), smooth float32 [K] (SmoothQuant), act_scale float32 [] (static
   activation scale).
+
+The LM head is a Linear too and takes the method when ``cfg.quantize_lm_head``; with tied
+embeddings, dropping its dense weight only drops its reference to the embedding's table, which
+keeps serving the embedding lookups.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kiln.kernels.quant_gemm import (
     wint_linear,
     wint_linear_triton,
 )
+from kiln.layers.embedding import LMHead
 from kiln.layers.linear import Linear
 from kiln.quant.config import QuantConfig
 from kiln.quant.rtn import IntWeight, rtn_quantize
@@ -187,14 +192,16 @@ def make_method(cfg: QuantConfig) -> QuantMethod:
     return WeightOnlyMethod(cfg) if cfg.scheme == "wint" else W8A8Method(cfg)
 
 
-def quantized_linears(model: torch.nn.Module) -> list[tuple[str, Linear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+def quantized_linears(model: torch.nn.Module, lm_head: bool = True) -> list[tuple[str, Linear]]:
+    """The Linears a config may quantize: every one, the LM head only if ``lm_head``."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, Linear) and (lm_head or not isinstance(m, LMHead))]
 
 
 def install_methods(model: torch.nn.Module, cfg: QuantConfig) -> list[tuple[str, Linear]]:
-    """Give every Linear the config's method (checked against its shape); weights untouched."""
+    """Give the config's Linears its method (checked against their shape); weights untouched."""
     method = make_method(cfg)
-    layers = quantized_linears(model)
+    layers = quantized_linears(model, cfg.quantize_lm_head)
     for name, layer in layers:
         cfg.check_layer(layer.in_features, name)
         if not hasattr(layer, "params_dtype"):

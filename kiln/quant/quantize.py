@@ -45,12 +45,15 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, ids: torch.Tensor | None 
                    stats: dict[str, LinearStats] | None = None) -> QuantConfig:
     """Quantize every Linear of ``model`` (dense weights loaded) as ``cfg`` says.
 
+    The LM head, when ``cfg.quantize_lm_head``, goes through the same method as the other
+    Linears (AWQ and GPTQ calibrate it on the final hidden states like any layer's inputs).
+
     ``ids`` [num_samples, seq_len] are the calibration tokens; they are required by AWQ, GPTQ,
     SmoothQuant and static activation scales, and when given (and ``kv_scales``) also set the
     FP8 KV-cache scales. ``stats`` from ``collect_stats`` on the same dense model and ids
     skip the statistics pass. Returns ``cfg`` with ``kv_cache_scales`` filled in.
     """
-    layers = quantized_linears(model)
+    layers = quantized_linears(model, cfg.quantize_lm_head)
     for name, layer in layers:
         cfg.check_layer(layer.in_features, name)
     if needs_calibration(cfg) and ids is None:
@@ -106,7 +109,10 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, ids: torch.Tensor | None 
 
 
 def model_size_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of the checkpoint (``state_dict``, tied weights once): Linear layers and the rest."""
+    """Bytes of the checkpoint (``state_dict``, tied weights once): Linear layers and the rest.
+
+    The LM head is a Linear; a dense tied one is the embedding's tensor, counted as the rest.
+    """
     linear_names = {name for name, _ in quantized_linears(model)}
     seen: set[int] = set()
     sizes = {"linear": 0, "other": 0}

@@ -7,7 +7,9 @@ import torch
 from tiny_models import TRITON_GEOMETRY, build_model
 
 from kiln.bench.offline import weight_bytes
+from kiln.layers.embedding import LMHead
 from kiln.models import load_model
+from kiln.quant.config import on_the_fly_config
 from kiln.quant.methods import quantized_linears
 
 # quantization -> bytes of one quantized [out, inp] Linear weight as stored from a bf16 model:
@@ -43,12 +45,16 @@ def test_dense_counts_every_weight_but_the_embedding_table(model_dir):
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
 def test_quantized_counts_codes_and_scales(model_dir, quantization):
+    """Weight-only formats store the LM head quantized too (tied or not); FP8 keeps it bf16."""
     dense = _load(model_dir)
-    linears = [m for _, m in quantized_linears(dense)]
+    lm_head = on_the_fly_config(quantization).quantize_lm_head
+    assert lm_head == (quantization != "fp8")
+    linears = [m for _, m in quantized_linears(dense, lm_head)]
+    assert any(isinstance(m, LMHead) for m in linears) == lm_head
     assert all(m.weight.dtype == torch.bfloat16 for m in linears)
     shapes = [(m.out_features, m.in_features) for m in linears]
     linear_bf16 = sum(2 * out * inp for out, inp in shapes)
-    rest = weight_bytes(dense) - linear_bf16  # norms, biases, LM head: unchanged by quantizing
+    rest = weight_bytes(dense) - linear_bf16  # norms, biases (FP8: the LM head): unchanged
     quantized = weight_bytes(_load(model_dir, quantization)) - rest
     assert quantized == sum(STORED[quantization](out, inp) for out, inp in shapes)
     assert quantized / linear_bf16 == pytest.approx(RATIO[quantization], rel=0.04)

@@ -85,6 +85,7 @@ def test_w8_weight_quantization(kind, granularity):
     (dict(method="gptq", scheme="w8a8"), "scheme='wint'"),
     (dict(method="smoothquant", scheme="w8a8", alpha=1.5), "alpha"),
     (dict(method="awq", act_order=True), "act_order is a GPTQ option"),
+    (dict(method="fp8", scheme="w8a8", quantize_lm_head=True), "keeps the LM head"),
 ])
 def test_config_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -105,6 +106,20 @@ def test_on_the_fly_names_and_json_round_trip():
     assert QuantConfig.from_json(cfg.to_json()) == cfg
     with pytest.raises(ValueError, match="not a Kiln quantization config"):
         QuantConfig.from_json({"quant_method": "awq"})
+
+
+def test_lm_head_default_follows_the_scheme():
+    """Weight-only formats quantize the LM head unless told not to; W8A8 keeps it dense."""
+    assert on_the_fly_config("int8").quantize_lm_head and on_the_fly_config("int4").quantize_lm_head
+    assert not on_the_fly_config("fp8").quantize_lm_head
+    assert not on_the_fly_config("w8a8-int8").quantize_lm_head
+    dense_head = QuantConfig(method="awq", quantize_lm_head=False)
+    assert dense_head.name == "W4A16 g128 sym (awq, dense LM head)"
+    assert QuantConfig.from_json(dense_head.to_json()) == dense_head
+    data = QuantConfig(method="awq").to_json()
+    assert data["quantize_lm_head"] is True
+    del data["quantize_lm_head"]  # written before the field existed, when the head was dense
+    assert QuantConfig.from_json(data) == dense_head
 
 
 def test_fp8_refused_on_gpu_without_fp8(monkeypatch):
