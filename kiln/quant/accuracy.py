@@ -102,14 +102,14 @@ def markdown(rows: list[dict[str, Any]], header: bool = True) -> str:
 @click.option("--seq-len", type=int, default=256, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dense-lm-head", is_flag=True,
-              help="weight-only rows keep the LM head dense (W8A8 rows always do)")
+              help="weight-only rows keep the LM head dense instead of W8A16 (W8A8 rows "
+              "always do)")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="JSON rows")
 def main(model: str, max_tokens: int, window: int, stride: int, calibration: str,
          num_samples: int, seq_len: int, device: str, dense_lm_head: bool,
          out: Path | None) -> None:
     """Perplexity of every quantization row on the zoo held-out split."""
-    configs = [dict(r, quantize_lm_head=False) if QuantConfig(**r).scheme == "wint" else r
-               for r in ROWS] if dense_lm_head else None
+    configs = [dict(r, lm_head_bits=None) for r in ROWS] if dense_lm_head else None
     rows = accuracy_table(model, max_tokens, window, stride, calibration, num_samples, seq_len,
                           device, configs)
     click.echo(markdown(rows))

@@ -20,7 +20,6 @@ from torch import nn
 
 from kiln.kernels.rotary import apply_rotary_ref
 from kiln.quant.kv_cache import attention_layers
-from kiln.quant.methods import quantized_linears
 from kiln.quant.observers import MinMaxObserver
 
 SOURCES = ("zoo-train", "zoo-heldout")
@@ -135,14 +134,14 @@ def run_batches(model: nn.Module, ids: torch.Tensor, batch_size: int,
             handle.remove()
 
 
-def collect_linear_stats(model: nn.Module, ids: torch.Tensor,
-                         make_stats: Callable[[str], LinearStats],
+def collect_linear_stats(model: nn.Module, layers: list[tuple[str, nn.Module]],
+                         ids: torch.Tensor, make_stats: Callable[[str], LinearStats],
                          batch_size: int = 4) -> dict[str, LinearStats]:
-    """Run the calibration ids through the model and gather ``make_stats(name)`` per Linear
-    (the LM head included, so that one pass serves configs with and without a quantized head)."""
+    """Run the calibration ids through the model and gather ``make_stats(name)`` for each of
+    ``layers`` (named Linears of the model) from its inputs."""
     stats: dict[str, LinearStats] = {}
     hooks = []
-    for name, layer in quantized_linears(model):
+    for name, layer in layers:
         stats[name] = make_stats(name)
         hooks.append((layer, (lambda s: lambda _mod, args: s.update(args[0]))(stats[name])))
     run_batches(model, ids, batch_size, hooks)

@@ -76,10 +76,11 @@ def read_quant_config(path: str | Path) -> QuantConfig | None:
 def load_quantized_weights(model: nn.Module, cfg: QuantConfig, files: list[Path]) -> None:
     """Fill a model whose Linears carry ``cfg``'s methods from Kiln-layout safetensors files.
 
-    A tied LM head that ``cfg`` quantizes reads its own codes; the embedding table it shared
-    comes from ``embed_tokens.weight`` like any dense tensor.
+    A tied LM head that ``cfg`` quantizes reads its own codes (in its own format,
+    ``cfg.lm_head_config()``); the embedding table it shared comes from ``embed_tokens.weight``
+    like any dense tensor.
     """
-    linears = dict(quantized_linears(model, cfg.quantize_lm_head))
+    linears = dict(quantized_linears(model, lm_head=cfg.lm_head_bits is not None))
     params = dict(model.named_parameters())
     required = {n for n in params if not (n.rpartition(".")[0] in linears
                                           and n.endswith(".weight"))}

@@ -23,7 +23,7 @@ def build_config(method: str, bits: int, group_size: int | None, asym: bool, act
             group_size = 128 if bits == 4 else -1
         return QuantConfig(method=method, scheme="wint", bits=bits, group_size=group_size,
                            symmetric=not asym, act_order=act_order, observer=observer,
-                           quantize_lm_head=False if dense_lm_head else None)
+                           lm_head_bits=None if dense_lm_head else 8)
     dtype = w8a8_dtype or ("fp8" if method == "fp8" else "int8")
     if method == "fp8" and dtype != "fp8":
         raise ValueError("method='fp8' stores FP8 weights; use smoothquant for INT8 W8A8")
@@ -37,13 +37,14 @@ def build_config(method: str, bits: int, group_size: int | None, asym: bool, act
               help="dense checkpoint directory, hub id or zoo name")
 @click.option("--method", type=click.Choice(METHODS), required=True)
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True,
-              help="weight bits for rtn / awq / gptq")
+              help="weight bits of the layers for rtn / awq / gptq (the LM head takes 8)")
 @click.option("--group-size", type=int, default=None,
               help="32, 64, 128, or -1 per channel [default: 128 for 4 bits, -1 for 8]")
 @click.option("--asym", is_flag=True, help="asymmetric grid (zero points)")
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal")
 @click.option("--dense-lm-head", is_flag=True,
-              help="rtn / awq / gptq: keep the LM head in the model dtype (W8A8 always does)")
+              help="rtn / awq / gptq: keep the LM head in the model dtype instead of W8A16 "
+              "(int8 per output channel, RTN); W8A8 always keeps it dense")
 @click.option("--w8a8-dtype", type=click.Choice(W8A8_DTYPES), default=None,
               help="smoothquant: int8 (default) or fp8")
 @click.option("--weight-scale", type=click.Choice(["channel", "tensor"]), default="channel",

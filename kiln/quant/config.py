@@ -1,4 +1,4 @@
-"""What a quantized model is: one validated ``QuantConfig`` shared by every Linear.
+"""What a quantized model is: one validated ``QuantConfig`` for every Linear (and the LM head).
 
 Two weight formats cover every method (the method only decides how the numbers are chosen):
 
@@ -9,9 +9,12 @@ Two weight formats cover every method (the method only decides how the numbers a
   or per output channel, activation scales dynamic per token or static per tensor (calibrated),
   optional SmoothQuant ``smooth`` vector.
 
-``quantize_lm_head`` says whether the LM head takes the format too. It does by default for
-``wint``: at batch 1 the bf16 head is the largest single read of a weight-only decode step.
-``w8a8`` keeps it in the model dtype, as vLLM's FP8 does, so that the comparison stays fair.
+``lm_head_bits`` says what the LM head is: ``None`` dense, 8 W8A16 (per output channel,
+symmetric, RTN, whatever the layers' bits, group and method), or the layers' own 4-bit format
+when ``bits`` is 4. ``wint`` defaults to 8: at batch 1 the bf16 head is the largest single read
+of a weight-only decode step, and at 8 bits it costs no measurable accuracy where a 4-bit head
+took W4A16 AWQ and GPTQ variants past their perplexity target (docs/quantization.md). ``w8a8``
+keeps it in the model dtype, as vLLM's FP8 does, so that the comparison stays fair.
 
 The JSON form (``to_json`` / ``from_json``) is the quantization config written next to a
 quantized checkpoint.
@@ -55,7 +58,9 @@ class QuantConfig:
     activation_scheme: str = "dynamic"
     observer: str = "minmax"  # static activation scales: how the calibrated range is chosen
     alpha: float = 0.5  # SmoothQuant migration strength
-    quantize_lm_head: bool | None = None  # None: the scheme's default (wint: yes, w8a8: no)
+    # the LM head: None dense, 8 W8A16 per channel RTN, 4 the (4-bit) layers' own format; a
+    # weight-only setting like bits and group_size, so w8a8 sets it to None (dense head)
+    lm_head_bits: int | None = 8
     kv_cache_scales: list[list[float]] | None = None  # per layer [k_scale, v_scale] (FP8 KV)
     calibration: dict[str, Any] = field(default_factory=dict)  # provenance, written to JSON
 
@@ -71,6 +76,10 @@ class QuantConfig:
             if self.method in ("fp8", "smoothquant"):
                 raise ValueError(f"method={self.method!r} produces W8A8 weights; "
                                  "use scheme='w8a8'")
+            if self.lm_head_bits not in (None, 8, self.bits):
+                raise ValueError(f"lm_head_bits={self.lm_head_bits!r}: the LM head is dense "
+                                 f"(None), W8A16 per channel (8) or in the layers' format "
+                                 f"(bits={self.bits})")
         else:
             _check("w8a8_dtype", self.w8a8_dtype, W8A8_DTYPES)
             _check("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
@@ -78,12 +87,7 @@ class QuantConfig:
             if self.method in ("awq", "gptq"):
                 raise ValueError(f"method={self.method!r} produces weight-only integers; "
                                  "use scheme='wint'")
-            self.bits, self.group_size = 8, -1
-            if self.quantize_lm_head:
-                raise ValueError("scheme='w8a8' keeps the LM head in the model dtype; "
-                                 "quantize_lm_head applies to scheme='wint'")
-        if self.quantize_lm_head is None:
-            self.quantize_lm_head = self.scheme == "wint"
+            self.bits, self.group_size, self.lm_head_bits = 8, -1, None
         _check("observer", self.observer, OBSERVERS)
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha} (SmoothQuant migration strength) must be in "
@@ -98,10 +102,19 @@ class QuantConfig:
             group = "channel" if self.group_size == -1 else f"g{self.group_size}"
             kind = "sym" if self.symmetric else "asym"
             order = ", act-order" if self.act_order else ""
-            head = "" if self.quantize_lm_head else ", dense LM head"
+            head = {8: "", None: ", dense LM head"}.get(self.lm_head_bits,
+                                                        f", {self.lm_head_bits}-bit LM head")
             return f"W{self.bits}A16 {group} {kind} ({self.method}{order}{head})"
         return (f"{self.w8a8_dtype.upper()} W8A8 {self.weight_granularity}/"
                 f"{self.activation_scheme} ({self.method})")
+
+    def lm_head_config(self) -> QuantConfig | None:
+        """The LM head's format: None (dense), W8A16 per channel RTN, or the layers' own."""
+        if self.lm_head_bits is None:
+            return None
+        if self.lm_head_bits == 8:
+            return QuantConfig(method="rtn", bits=8, group_size=-1)
+        return self
 
     def check_layer(self, in_features: int, what: str = "layer") -> None:
         """Raise if this format cannot store a layer with ``in_features`` inputs."""
@@ -127,11 +140,33 @@ class QuantConfig:
             raise ValueError(f"{source}: version {data.get('version')!r} is not supported "
                              f"(this Kiln reads version {FORMAT_VERSION})")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names - {"format", "version"})
+        # configs from before lm_head_bits: 1718ff3 wrote quantize_lm_head instead, older ones
+        # neither; both are read as they were written
+        legacy = set() if "lm_head_bits" in data else {"quantize_lm_head"}
+        unknown = sorted(set(data) - names - legacy - {"format", "version"})
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}")
-        # configs written before quantize_lm_head existed kept the LM head dense
-        return cls(**{"quantize_lm_head": False, **{k: v for k, v in data.items() if k in names}})
+        fields = {k: v for k, v in data.items() if k in names}
+        if legacy:
+            fields["lm_head_bits"] = _legacy_lm_head_bits(fields, data.get("quantize_lm_head"),
+                                                          source)
+        return cls(**fields)
+
+
+def _legacy_lm_head_bits(fields: dict[str, Any], quantize_lm_head: bool | None,
+                         source: str) -> int | None:
+    """lm_head_bits of a config written before the field: no head field meant a dense head;
+    1718ff3's quantize_lm_head true, a head stored in the layers' own format."""
+    if not quantize_lm_head:
+        return None
+    body = QuantConfig(**fields)
+    # an 8-bit body's head can only be read as W8A16's: without zeros (asymmetric), perm
+    # (act-order) or smooth (AWQ), which W8A16's tensors do not include
+    if body.bits == 8 and (not body.symmetric or body.act_order or body.method == "awq"):
+        raise ValueError(f"{source}: its LM head was stored in the layers' format ({body.name}), "
+                         "which this Kiln keeps for 4-bit layers only; quantize the dense model "
+                         "again (its head becomes W8A16 per channel)")
+    return body.bits
 
 
 # `--quantization NAME` at load: quantize the dense checkpoint on the fly, no calibration

@@ -11,9 +11,10 @@ dropped and the layer holds buffers instead (so ``state_dict`` is the quantized 
   stored expanded to [N]), smooth float32 [K] (SmoothQuant), act_scale float32 [] (static
   activation scale).
 
-The LM head is a Linear too and takes the method when ``cfg.quantize_lm_head``; with tied
-embeddings, dropping its dense weight only drops its reference to the embedding's table, which
-keeps serving the embedding lookups.
+The LM head is a Linear too and takes a method of its own, for ``cfg.lm_head_config()`` (W8A16
+per channel whatever the layers' format, unless the config says dense); with tied embeddings,
+dropping its dense weight only drops its reference to the embedding's table, which keeps serving
+the embedding lookups.
 """
 
 from __future__ import annotations
@@ -198,18 +199,29 @@ def quantized_linears(model: torch.nn.Module, lm_head: bool = True) -> list[tupl
             if isinstance(m, Linear) and (lm_head or not isinstance(m, LMHead))]
 
 
-def install_methods(model: torch.nn.Module, cfg: QuantConfig) -> list[tuple[str, Linear]]:
-    """Give the config's Linears its method (checked against their shape); weights untouched."""
-    method = make_method(cfg)
-    layers = quantized_linears(model, cfg.quantize_lm_head)
-    for name, layer in layers:
-        cfg.check_layer(layer.in_features, name)
-        if not hasattr(layer, "params_dtype"):
-            layer.params_dtype = layer.weight.dtype
-            layer.params_device = layer.weight.device
-        layer.method = method
+def linear_configs(model: torch.nn.Module, cfg: QuantConfig
+                   ) -> list[tuple[str, Linear, QuantConfig]]:
+    """The Linears ``cfg`` quantizes, each with its format checked against its shape: ``cfg``
+    for the layers, ``cfg.lm_head_config()`` for the LM head (left out when dense)."""
+    head = cfg.lm_head_config()
+    layers = []
+    for name, layer in quantized_linears(model, lm_head=head is not None):
+        layer_cfg = head if isinstance(layer, LMHead) else cfg
+        layer_cfg.check_layer(layer.in_features, name)
+        layers.append((name, layer, layer_cfg))
     return layers
 
 
+def install_methods(model: torch.nn.Module, cfg: QuantConfig) -> list[tuple[str, Linear]]:
+    """Give the config's Linears their methods (the LM head its own); weights untouched."""
+    layers = linear_configs(model, cfg)
+    for _name, layer, layer_cfg in layers:
+        if not hasattr(layer, "params_dtype"):
+            layer.params_dtype = layer.weight.dtype
+            layer.params_device = layer.weight.device
+        layer.method = make_method(layer_cfg)
+    return [(name, layer) for name, layer, _ in layers]
+
+
 __all__ = ["FP8_DTYPE", "QuantMethod", "W8A8Method", "WeightOnlyMethod", "install_methods",
-           "make_method", "quantized_linears"]
+           "linear_configs", "make_method", "quantized_linears"]

@@ -119,13 +119,14 @@ def test_cli_quantize_then_load(tiny_llama, calib_file, tmp_path):
     assert "W4A16 g32 sym (gptq)" in result.output and (out / "model.safetensors").is_file()
     loaded = load_model(str(out), device="cpu")
     assert loaded.model.layers[1].self_attn.qkv_proj.qweight.dtype == torch.int32
-    assert loaded.model.lm_head.qweight.dtype == torch.int32
+    assert loaded.model.lm_head.qweight.dtype == torch.uint8  # W8A16, whatever the layers
+    assert json.loads((out / CONFIG_FILE).read_text())["lm_head_bits"] == 8
     dense_head = CliRunner().invoke(quantize_cmd, [
         "--model", str(tiny_llama), "--method", "rtn", "--bits", "8", "--dense-lm-head",
         "--out", str(tmp_path / "w8"), "--device", "cpu"])
     assert dense_head.exit_code == 0, dense_head.output
     assert "W8A16 channel sym (rtn, dense LM head)" in dense_head.output
-    assert json.loads((tmp_path / "w8" / CONFIG_FILE).read_text())["quantize_lm_head"] is False
+    assert json.loads((tmp_path / "w8" / CONFIG_FILE).read_text())["lm_head_bits"] is None
     bad = CliRunner().invoke(quantize_cmd, ["--model", str(tiny_llama), "--method", "rtn",
                                             "--bits", "8", "--group-size", "32", "--out",
                                             str(tmp_path / "x"), "--device", "cpu"])

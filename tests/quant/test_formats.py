@@ -85,7 +85,8 @@ def test_w8_weight_quantization(kind, granularity):
     (dict(method="gptq", scheme="w8a8"), "scheme='wint'"),
     (dict(method="smoothquant", scheme="w8a8", alpha=1.5), "alpha"),
     (dict(method="awq", act_order=True), "act_order is a GPTQ option"),
-    (dict(method="fp8", scheme="w8a8", quantize_lm_head=True), "keeps the LM head"),
+    (dict(bits=8, group_size=-1, lm_head_bits=4), r"lm_head_bits=4: .*\(bits=8\)"),
+    (dict(lm_head_bits=16), "lm_head_bits=16"),
 ])
 def test_config_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -108,18 +109,81 @@ def test_on_the_fly_names_and_json_round_trip():
         QuantConfig.from_json({"quant_method": "awq"})
 
 
-def test_lm_head_default_follows_the_scheme():
-    """Weight-only formats quantize the LM head unless told not to; W8A8 keeps it dense."""
-    assert on_the_fly_config("int8").quantize_lm_head and on_the_fly_config("int4").quantize_lm_head
-    assert not on_the_fly_config("fp8").quantize_lm_head
-    assert not on_the_fly_config("w8a8-int8").quantize_lm_head
-    dense_head = QuantConfig(method="awq", quantize_lm_head=False)
-    assert dense_head.name == "W4A16 g128 sym (awq, dense LM head)"
-    assert QuantConfig.from_json(dense_head.to_json()) == dense_head
+W8A16_HEAD = QuantConfig(method="rtn", bits=8, group_size=-1)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(method="rtn", bits=8, group_size=-1, symmetric=False),
+    dict(method="awq", bits=4, group_size=128),
+    dict(method="gptq", bits=4, group_size=64, symmetric=False, act_order=True),
+])
+def test_lm_head_is_w8a16_whatever_the_layers(kwargs):
+    """Weight-only formats store the LM head as W8A16 per channel RTN unless told otherwise."""
+    cfg = QuantConfig(**kwargs)
+    assert cfg.lm_head_bits == 8 and cfg.lm_head_config() == W8A16_HEAD
+    assert "LM head" not in cfg.name
+    assert QuantConfig.from_json(cfg.to_json()) == cfg
+    dense = QuantConfig(**kwargs, lm_head_bits=None)
+    assert dense.lm_head_config() is None and dense.name.endswith(", dense LM head)")
+    assert QuantConfig.from_json(dense.to_json()) == dense
+
+
+def test_lm_head_per_scheme():
+    assert on_the_fly_config("int8").lm_head_config() == W8A16_HEAD
+    assert on_the_fly_config("int4").lm_head_config() == W8A16_HEAD
+    # W8A8 keeps it in the model dtype: lm_head_bits is a weight-only setting, like bits
+    assert on_the_fly_config("fp8").lm_head_bits is None
+    assert on_the_fly_config("w8a8-int8").lm_head_bits is None
+    assert QuantConfig(method="fp8", scheme="w8a8", lm_head_bits=8).lm_head_config() is None
+    # asked for: a 4-bit head in the layers' own format and method
+    same = QuantConfig(method="awq", lm_head_bits=4)
+    assert same.lm_head_config() is same and same.name == "W4A16 g128 sym (awq, 4-bit LM head)"
+
+
+def legacy_json(head: bool | None, **kwargs) -> dict:
+    """The JSON of an earlier Kiln: 1718ff3 wrote quantize_lm_head, older ones no head field."""
+    data = QuantConfig(**kwargs).to_json()
+    del data["lm_head_bits"]
+    if head is not None:
+        data["quantize_lm_head"] = head
+    return data
+
+
+@pytest.mark.parametrize("kwargs,head,bits", [
+    (dict(method="awq"), None, None),  # before 1718ff3: the head stayed dense
+    (dict(method="rtn", bits=8, group_size=-1), None, None),
+    (dict(method="awq"), False, None),  # 1718ff3 --dense-lm-head
+    (dict(method="fp8", scheme="w8a8"), False, None),
+    # 1718ff3: the head in the layers' format, which lm_head_bits=4 still means at 4 bits ...
+    (dict(method="gptq", group_size=64, symmetric=False, act_order=True), True, 4),
+    # ... and at 8 bits is W8A16's layout when the layers store no zeros, perm or smooth
+    (dict(method="rtn", bits=8, group_size=-1), True, 8),
+    (dict(method="gptq", bits=8, group_size=-1), True, 8),
+])
+def test_configs_from_before_lm_head_bits_load_as_written(kwargs, head, bits):
+    cfg = QuantConfig.from_json(legacy_json(head, **kwargs))
+    assert cfg == QuantConfig(**kwargs, lm_head_bits=bits)
+    if bits == 4:
+        assert cfg.lm_head_config() is cfg
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(method="rtn", bits=8, group_size=-1, symmetric=False),
+    dict(method="awq", bits=8, group_size=-1),
+    dict(method="gptq", bits=8, group_size=-1, act_order=True),
+])
+def test_legacy_8bit_head_in_another_layout_is_refused(kwargs):
+    """1718ff3 stored these heads with zeros, smooth or perm: not W8A16's tensors, so say so."""
+    with pytest.raises(ValueError, match="LM head was stored in the layers' format"):
+        QuantConfig.from_json(legacy_json(True, **kwargs), source="old.json")
+
+
+def test_unknown_and_conflicting_head_fields_are_refused():
     data = QuantConfig(method="awq").to_json()
-    assert data["quantize_lm_head"] is True
-    del data["quantize_lm_head"]  # written before the field existed, when the head was dense
-    assert QuantConfig.from_json(data) == dense_head
+    with pytest.raises(ValueError, match="unknown field.*quantize_lm_head"):
+        QuantConfig.from_json({**data, "quantize_lm_head": True})
+    with pytest.raises(ValueError, match="unknown field.*lm_head_group"):
+        QuantConfig.from_json({**data, "lm_head_group": 128})
 
 
 def test_fp8_refused_on_gpu_without_fp8(monkeypatch):
