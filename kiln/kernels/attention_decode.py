@@ -32,6 +32,10 @@ from kiln.kernels.attention_prefill import LOG2E, _attn_tile, check_attention_ar
 # tile, and a smaller tile lets a short context spread over more programs.
 DECODE_CONFIG = (64, 2, 2)
 SMALL_BATCH_CONFIG = (64, 4, 2)
+# at most TINY_BATCH_PROGRAMS pairs (batch 1 or 2 with 8 kv heads): 32-key tiles, the sweep's best
+# at 128-512 tokens of context (batch 1, 256 tokens: 7.2 us against 8.0 with 64-key tiles)
+TINY_BATCH_CONFIG = (32, 4, 2)
+TINY_BATCH_PROGRAMS = 16
 # at full length (max_seqlen_k keys) shorter partitions cost more in the reduction than they win
 # in overlap; a shorter real context still goes down to one tile per partition
 MIN_PARTITION_LEN = 256
@@ -55,12 +59,15 @@ def decode_launch_config(
     partitions of at least MIN_PARTITION_LEN keys (the previous policy, unchanged). What makes a
     short context fast is that the kernel sizes partitions from the real length, down to one
     BLOCK_N tile: with fewer (sequence, kv head) pairs than SMs the tile is SMALL_BATCH_CONFIG's
-    64 keys, so that a 256-token context at batch 1 (8 kv heads) runs 32 one-tile programs instead
-    of 8 two-tile ones. With at least one pair per SM, DECODE_CONFIG stays: every SM already has
-    a pair to work on (at 64 x 8 pairs there is one split and no reduction, as before).
+    64 keys (TINY_BATCH_CONFIG's 32 for a handful of pairs), so that a 256-token context at batch
+    1 (8 kv heads) runs 64 one-tile programs instead of 8 two-tile ones. With at least one pair
+    per SM, DECODE_CONFIG stays: every SM already has a pair to work on (at 64 x 8 pairs there
+    is one split and no reduction, as before).
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    block_n, num_warps, num_stages = DECODE_CONFIG if programs >= sms else SMALL_BATCH_CONFIG
+    block_n, num_warps, num_stages = (
+        DECODE_CONFIG if programs >= sms
+        else TINY_BATCH_CONFIG if programs <= TINY_BATCH_PROGRAMS else SMALL_BATCH_CONFIG)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
     num_splits = max(1, min(wanted, triton.cdiv(max_seqlen_k, MIN_PARTITION_LEN)))
     return DecodeLaunch(block_n, num_warps, num_stages, num_splits)
