@@ -250,6 +250,10 @@ SWEEP_SHAPES = {
              4: [(4096, 4096)]},
 }
 SWEEP_SHAPES["full"] = SWEEP_SHAPES["small"]
+# batch-1 decode only, every layer shape of Llama-3.1-8B plus its LM head (W8A16 in every
+# weight-only format)
+SWEEPS["decode1"] = {1: SWEEPS["full"][1]}
+SWEEP_SHAPES["decode1"] = {1: [(n, k) for n, k, _ in SHAPES] + [(128256, 4096)]}
 
 
 def sweep(results: list[dict], name: str, budget: float) -> None:
@@ -354,7 +358,8 @@ SMOKE_HELP = "check this script on CPU: TRITON_INTERPRET=1, tiny shapes, no CUDA
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--sweep", choices=["none", "small", "next", "full"], default="small")
+    parser.add_argument("--sweep", choices=["none", "small", "next", "full", "decode1"],
+                        default="small")
     parser.add_argument("--pytest", action="store_true", help="also run pytest -m gpu on quant")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds before the sweep stops")
     parser.add_argument("--asm", help="folder for a tarball of the small-M kernels' TTGIR etc.")
