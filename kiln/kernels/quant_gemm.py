@@ -590,6 +590,13 @@ def _gemv_config(m: int, n: int, k: int, bits: int) -> GemvConfig | None:
     ``natural=True`` word-kernel variant has not run on a GPU yet: not a default.
     """
     if m <= 2:
+        # batch 1 (results/h100/quant_decode1_sweep.txt): a vocabulary-sized LM head streams best
+        # with short rows per program (W8 128256 x 4096: 172 us against 189), and the merged
+        # gate/up projection's 8-bit codes with 16 rows a program (28672 x 4096: 42.5 vs 43.1)
+        if n >= 65536:
+            return GemvConfig(1, 8, 256, 1) if bits == 8 else GemvConfig(1, 16, 512, 1)
+        if bits == 8 and n >= 16384:
+            return GemvConfig(1, 16, 512, 1)
         return GemvConfig(1, 8, 512)
     if m <= GEMV_FMA_MAX_M:
         return GemvConfig(1, 16, 512)
