@@ -32,7 +32,7 @@ def run_case(n: int, k: int, m: int) -> list[dict]:
     wq, ws = w8a8.quantize_weight(dense, "fp8", "channel")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = w8a8.w8a8_linear_ref(x.float(), wq, ws, "fp8").double()
-    default = fp8_gemm_config(m, n, num_sms(x.device))
+    default = fp8_gemm_config(m, n, k, num_sms(x.device))
     configs = {"default": default} | {
         str(c): Fp8GemmConfig(*c) for c in ALTERNATIVES if c[0] >= min(m, 64) or c[0] == 16}
     paths = {"scaled_mm": lambda a: lambda: w8a8.w8a8_linear(x, *a, "fp8", triton_gemm=False)}

@@ -59,17 +59,17 @@ def _fp8_gemm_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def fp8_gemm_config(m: int, n: int, sms: int) -> Fp8GemmConfig:
+def fp8_gemm_config(m: int, n: int, k: int, sms: int) -> Fp8GemmConfig:
     """Tiles from the H100 sweep (benchmarks/results/h100/fp8_gemm_sweep.txt, M = 8 ... 64).
 
     Rows: one 64-row tile (the wgmma shape; 16-row tiles were never faster). Columns: layers
     too narrow for one 64-column program per SM (o_proj and down_proj, N = 4096; qkv, 6144) take
     32 columns a program with 8 warps and a 6-deep pipeline; wide ones (gate_up) take 64 columns
-    and 256-deep K steps.
+    and 256-deep K steps (128 where K is not a multiple of 256). Every config needs K % 128 == 0.
     """
     if triton.cdiv(n, 64) < sms:
         return Fp8GemmConfig(64, 32, 128, 8, 6)
-    return Fp8GemmConfig(64, 64, 256, 4, 3)
+    return Fp8GemmConfig(64, 64, 256 if k % 256 == 0 else 128, 4, 3)
 
 
 def fp8_gemm_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor,
@@ -79,7 +79,7 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor,
     """xq [M, K] e4m3, x_scales [M, 1] fp32, wq [N, K] e4m3, w_scales [N] fp32 -> y [M, N]."""
     m, k = xq.shape
     n = wq.shape[0]
-    cfg = config or fp8_gemm_config(m, n, num_sms(xq.device))
+    cfg = config or fp8_gemm_config(m, n, k, num_sms(xq.device))
     assert wq.shape[1] == k and k % cfg.block_k == 0, f"K={k} must be a multiple of {cfg.block_k}"
     assert xq.stride(1) == 1 and wq.stride(1) == 1
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)

@@ -143,7 +143,7 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, kind:
         x2 = x2.contiguous()
     xq, xs = quant_per_token_triton(x2, kind, smooth, static_scale)
     if triton_gemm is None:
-        triton_gemm = x2.shape[0] <= FP8_GEMM_MAX_M and x2.shape[1] % 128 == 0
+        triton_gemm = x2.shape[0] <= FP8_GEMM_MAX_M and x2.shape[1] % 128 == 0  # see fp8_gemm
     if kind == "fp8" and triton_gemm:
         y = fp8_gemm_triton(xq, xs, wq, w_scales, bias, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], -1)

@@ -37,9 +37,10 @@ def test_fp8_gemm_matches_reference(m, config, with_bias):
 
 def test_config_narrow_layers_take_narrow_tiles():
     for n, block_n in [(4096, 32), (6144, 32), (14336, 64), (28672, 64)]:
-        cfg = fp8_gemm_config(64, n, sms=132)
-        assert (cfg.block_m, cfg.block_n) == (64, block_n), (n, cfg)
-        assert 4096 % cfg.block_k == 0 and 14336 % cfg.block_k == 0
+        for k in (4096, 14336, 128 * 37):
+            cfg = fp8_gemm_config(64, n, k, sms=132)
+            assert (cfg.block_m, cfg.block_n) == (64, block_n), (n, cfg)
+            assert k % cfg.block_k == 0, (k, cfg)
 
 
 def test_k_not_a_multiple_of_the_tile_is_refused():
