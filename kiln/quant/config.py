@@ -140,33 +140,13 @@ class QuantConfig:
             raise ValueError(f"{source}: version {data.get('version')!r} is not supported "
                              f"(this Kiln reads version {FORMAT_VERSION})")
         names = {f.name for f in dataclasses.fields(cls)}
-        # configs from before lm_head_bits: 1718ff3 wrote quantize_lm_head instead, older ones
-        # neither; both are read as they were written
-        legacy = set() if "lm_head_bits" in data else {"quantize_lm_head"}
-        unknown = sorted(set(data) - names - legacy - {"format", "version"})
+        unknown = sorted(set(data) - names - {"format", "version"})
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}")
         fields = {k: v for k, v in data.items() if k in names}
-        if legacy:
-            fields["lm_head_bits"] = _legacy_lm_head_bits(fields, data.get("quantize_lm_head"),
-                                                          source)
+        # configs written before lm_head_bits existed kept the LM head dense
+        fields.setdefault("lm_head_bits", None)
         return cls(**fields)
-
-
-def _legacy_lm_head_bits(fields: dict[str, Any], quantize_lm_head: bool | None,
-                         source: str) -> int | None:
-    """lm_head_bits of a config written before the field: no head field meant a dense head;
-    1718ff3's quantize_lm_head true, a head stored in the layers' own format."""
-    if not quantize_lm_head:
-        return None
-    body = QuantConfig(**fields)
-    # an 8-bit body's head can only be read as W8A16's: without zeros (asymmetric), perm
-    # (act-order) or smooth (AWQ), which W8A16's tensors do not include
-    if body.bits == 8 and (not body.symmetric or body.act_order or body.method == "awq"):
-        raise ValueError(f"{source}: its LM head was stored in the layers' format ({body.name}), "
-                         "which this Kiln keeps for 4-bit layers only; quantize the dense model "
-                         "again (its head becomes W8A16 per channel)")
-    return body.bits
 
 
 # `--quantization NAME` at load: quantize the dense checkpoint on the fly, no calibration

@@ -140,42 +140,12 @@ def test_lm_head_per_scheme():
     assert same.lm_head_config() is same and same.name == "W4A16 g128 sym (awq, 4-bit LM head)"
 
 
-def legacy_json(head: bool | None, **kwargs) -> dict:
-    """The JSON of an earlier Kiln: 1718ff3 wrote quantize_lm_head, older ones no head field."""
+@pytest.mark.parametrize("kwargs", [dict(method="awq"), dict(method="rtn", bits=8, group_size=-1),
+                                    dict(method="fp8", scheme="w8a8")])
+def test_configs_from_before_lm_head_bits_keep_a_dense_head(kwargs):
     data = QuantConfig(**kwargs).to_json()
     del data["lm_head_bits"]
-    if head is not None:
-        data["quantize_lm_head"] = head
-    return data
-
-
-@pytest.mark.parametrize("kwargs,head,bits", [
-    (dict(method="awq"), None, None),  # before 1718ff3: the head stayed dense
-    (dict(method="rtn", bits=8, group_size=-1), None, None),
-    (dict(method="awq"), False, None),  # 1718ff3 --dense-lm-head
-    (dict(method="fp8", scheme="w8a8"), False, None),
-    # 1718ff3: the head in the layers' format, which lm_head_bits=4 still means at 4 bits ...
-    (dict(method="gptq", group_size=64, symmetric=False, act_order=True), True, 4),
-    # ... and at 8 bits is W8A16's layout when the layers store no zeros, perm or smooth
-    (dict(method="rtn", bits=8, group_size=-1), True, 8),
-    (dict(method="gptq", bits=8, group_size=-1), True, 8),
-])
-def test_configs_from_before_lm_head_bits_load_as_written(kwargs, head, bits):
-    cfg = QuantConfig.from_json(legacy_json(head, **kwargs))
-    assert cfg == QuantConfig(**kwargs, lm_head_bits=bits)
-    if bits == 4:
-        assert cfg.lm_head_config() is cfg
-
-
-@pytest.mark.parametrize("kwargs", [
-    dict(method="rtn", bits=8, group_size=-1, symmetric=False),
-    dict(method="awq", bits=8, group_size=-1),
-    dict(method="gptq", bits=8, group_size=-1, act_order=True),
-])
-def test_legacy_8bit_head_in_another_layout_is_refused(kwargs):
-    """1718ff3 stored these heads with zeros, smooth or perm: not W8A16's tensors, so say so."""
-    with pytest.raises(ValueError, match="LM head was stored in the layers' format"):
-        QuantConfig.from_json(legacy_json(True, **kwargs), source="old.json")
+    assert QuantConfig.from_json(data) == QuantConfig(**kwargs, lm_head_bits=None)
 
 
 def test_unknown_and_conflicting_head_fields_are_refused():

@@ -19,7 +19,6 @@ from kiln.parallel import SINGLE, TPContext
 from kiln.quant import QuantConfig, install_methods, quantize_model, save_quantized
 from kiln.quant import quantize as quantize_module
 from kiln.quant.config import CONFIG_FILE, on_the_fly_config
-from kiln.quant.methods import WeightOnlyMethod
 from kiln.quant.rtn import rtn_quantize
 
 
@@ -152,26 +151,6 @@ def test_config_without_the_field_keeps_the_head_dense(model_dir, tmp_path):
     rewrite_config(out, lambda data: data.pop("lm_head_bits"))
     loaded = load_model(str(out), device="cpu").model
     assert isinstance(loaded.lm_head.method, DenseLinearMethod)
-    assert torch.equal(loaded.full_logits(token_ids(3)), expected)
-
-
-def test_1718ff3_head_in_the_layers_format_still_loads(model_dir, tmp_path):
-    """1718ff3 wrote ``quantize_lm_head: true`` for a head stored like the 4-bit layers."""
-    dense = load_model(str(model_dir), device="cpu")
-    cfg = quantize_model(dense.model, QuantConfig(method="awq", bits=4, group_size=128,
-                                                  lm_head_bits=4), token_ids(1), kv_scales=False)
-    expected = dense.model.full_logits(token_ids(3))
-    out = save_quantized(dense.model, cfg, tmp_path / "q", model_dir)
-
-    def to_1718ff3(data: dict) -> None:
-        del data["lm_head_bits"]
-        data["quantize_lm_head"] = True
-
-    rewrite_config(out, to_1718ff3)
-    loaded = load_model(str(out), device="cpu").model
-    method = loaded.lm_head.method
-    assert isinstance(method, WeightOnlyMethod) and method.cfg.method == "awq"
-    assert method.bits == 4 and loaded.lm_head.smooth is not None
     assert torch.equal(loaded.full_logits(token_ids(3)), expected)
 
 
