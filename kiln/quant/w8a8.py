@@ -142,12 +142,11 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, kind:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     xq, xs = quant_per_token_triton(x2, kind, smooth, static_scale)
-    if triton_gemm is None:
-        triton_gemm = x2.shape[0] <= FP8_GEMM_MAX_M and x2.shape[1] % 128 == 0  # see fp8_gemm
+    if triton_gemm is None:  # every fp8_gemm config needs K % 128 == 0
+        triton_gemm = x2.shape[0] <= FP8_GEMM_MAX_M and x2.shape[1] % 128 == 0
     if kind == "fp8" and triton_gemm:
         y = fp8_gemm_triton(xq, xs, wq, w_scales, bias, out_dtype=x.dtype)
-        return y.reshape(*x.shape[:-1], -1)
-    if kind == "fp8":
+    elif kind == "fp8":
         # row-wise scaling takes bf16 output only; [K, N] column-major is wq.t()
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scales.float()[None, :],
                              out_dtype=torch.bfloat16, bias=None if bias is None
