@@ -48,9 +48,13 @@ from kiln.kernels.attention_decode import (
     paged_attention_decode_triton,
 )
 from kiln.kernels.attention_prefill import PREFILL_CONFIGS, paged_attention_prefill_triton
-from kiln.kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
 from kiln.kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kiln.kernels.rotary import apply_rotary_ref, apply_rotary_triton
+from kiln.kernels.rotary import (
+    apply_rotary_ref,
+    apply_rotary_triton,
+    rotary_write_kv_cache_ref,
+    rotary_write_kv_cache_triton,
+)
 
 COPY_GBPS = 2831.0  # device-to-device copy, read + write (H100, shared/GPU.md)
 BF16_TFLOPS = 770.0  # cuBLAS bf16 GEMM 8192^3
@@ -145,23 +149,32 @@ def bench_rotary(num_tokens=8192, num_heads=32, num_kv_heads=8, head_dim=128):
            baseline_ms=eager_ms)  # fmt: skip
 
 
-def bench_kv_cache(num_tokens=8192, num_kv_heads=8, head_dim=128, block_size=16):
-    k, v = (
-        torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE, dtype=DTYPE) for _ in "kv"
-    )
+def bench_rotary_kv_cache(num_tokens=8192, num_heads=32, num_kv_heads=8, head_dim=128,
+                          block_size=16):
+    """The attention front end's one launch: rotary on q and k, k and v into the paged cache."""
+    q = torch.randn(num_tokens, num_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+            for _ in "kv")
+    positions = torch.randint(0, 8192, (num_tokens,), device=DEVICE)
+    angles = torch.rand(8192, head_dim // 2, device=DEVICE) * 6.3
+    table = torch.cat((angles.cos(), angles.sin()), -1)
     num_blocks = 4 * num_tokens // block_size
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.randn(shape, device=DEVICE, dtype=DTYPE) for _ in range(2)]
     caches += [c.clone() for c in caches]  # the reference writes into equal copies
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
-    write_kv_cache_triton(k, v, caches[0], caches[1], slots)
-    write_kv_cache_ref(k, v, caches[2], caches[3], slots)
-    err = max(rel_err(caches[0], caches[2]), rel_err(caches[1], caches[3]))
-    ms = bench_ms(lambda: write_kv_cache_triton(k, v, caches[0], caches[1], slots))
-    eager_ms = bench_ms(lambda: write_kv_cache_ref(k, v, caches[2], caches[3], slots))
-    gbytes = 4 * k.numel() * k.element_size() / 1e9
-    record("write_kv_cache", [num_tokens, num_kv_heads, head_dim], ms, gbytes=gbytes, err=err,
-           baseline_ms=eager_ms)  # fmt: skip
+    q_out = rotary_write_kv_cache_triton(q, k, v, positions, table, caches[0], caches[1], slots,
+                                         1.0, 1.0)
+    q_ref = rotary_write_kv_cache_ref(q, k, v, positions, table, caches[2], caches[3], slots,
+                                      1.0, 1.0)
+    err = max(rel_err(q_out, q_ref), rel_err(caches[0], caches[2]), rel_err(caches[1], caches[3]))
+    ms = bench_ms(lambda: rotary_write_kv_cache_triton(
+        q, k, v, positions, table, caches[0], caches[1], slots, 1.0, 1.0))
+    eager_ms = bench_ms(lambda: rotary_write_kv_cache_ref(
+        q, k, v, positions, table, caches[2], caches[3], slots, 1.0, 1.0))
+    gbytes = 2 * (q.numel() + 2 * k.numel()) * q.element_size() / 1e9  # read q, k, v; write all
+    record("rotary+write_kv_cache", [num_tokens, num_heads, num_kv_heads, head_dim], ms,
+           gbytes=gbytes, err=err, baseline_ms=eager_ms)  # fmt: skip
 
 
 def paged_problem(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size=16):
@@ -436,7 +449,7 @@ def main() -> None:
         DEVICE, DTYPE, SMOKE = "cpu", torch.float16, True
     torch.manual_seed(int(datetime.datetime.now().timestamp()))  # fresh inputs every run
     steps = [
-        bench_rms_norm, bench_silu_and_mul, bench_rotary, bench_kv_cache,
+        bench_rms_norm, bench_silu_and_mul, bench_rotary, bench_rotary_kv_cache,
         bench_prefill, lambda: bench_prefill(page=64),
         lambda: bench_prefill(head_dim=64, num_heads=32, num_kv_heads=32),
         lambda: bench_decode(64, 1024), lambda: bench_decode(8, 16384),
@@ -446,7 +459,7 @@ def main() -> None:
     if SMOKE:
         steps = [
             lambda: bench_rms_norm(5, 64), lambda: bench_silu_and_mul(5, 64),
-            lambda: bench_rotary(5, 4, 2, 64), lambda: bench_kv_cache(5, 2, 64),
+            lambda: bench_rotary(5, 4, 2, 64), lambda: bench_rotary_kv_cache(5, 4, 2, 64),
             lambda: bench_prefill(2, 40, 4, 2, 64), lambda: bench_decode(3, 100, 4, 1, 64),
             lambda: bench_decode(3, 100, 4, 1, 64, page=64, sweep=False),
         ]  # fmt: skip

@@ -7,7 +7,7 @@ reference (`*_ref`, the CPU path and the test oracle) and the wrapper that layer
 from kiln.kernels._triton import HAS_TRITON
 from kiln.kernels.activation import silu_and_mul, silu_and_mul_ref
 from kiln.kernels.attention import paged_attention, paged_attention_ref
-from kiln.kernels.kv_cache import write_kv_cache, write_kv_cache_ref
+from kiln.kernels.kv_cache import write_kv_cache_ref
 from kiln.kernels.rms_norm import rms_norm, rms_norm_ref
 from kiln.kernels.rotary import apply_rotary, apply_rotary_ref
 
@@ -21,6 +21,5 @@ __all__ = [
     "rms_norm_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
-    "write_kv_cache",
     "write_kv_cache_ref",
 ]

@@ -13,7 +13,7 @@ q and writes the rotated k and the unrotated v into the paged caches at `slot_ma
 (`rotary_write_kv_cache`, see kv_cache.py for the layout; slot < 0 skipped), which saves the
 attention layer the separate cache-write launch. An fp8 cache stores
 fp8(clamp(x * fp8_inv_scale(scale), +-448)) of the rotated k rounded to the model dtype, exactly
-what `quantize_kv` then `write_kv_cache` store.
+what `quantize_kv` then `write_kv_cache_ref` store.
 """
 
 from __future__ import annotations

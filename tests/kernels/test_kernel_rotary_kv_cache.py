@@ -6,7 +6,7 @@ import torch
 from kernel_testing import INTERPRET_DTYPES, gpu, needs_triton
 from test_kernel_rotary import MAX_POS, cos_sin_cache
 
-from kiln.kernels.kv_cache import FP8_DTYPE, quantize_kv, write_kv_cache_triton
+from kiln.kernels.kv_cache import FP8_DTYPE, quantize_kv, write_kv_cache_ref
 from kiln.kernels.rotary import (
     apply_rotary_triton,
     rotary_write_kv_cache,
@@ -155,11 +155,11 @@ def test_wrapper_on_cpu_is_reference():
 
 
 def unfused_triton(q, k, v, positions, table, k_cache, v_cache, slot_mapping, k_scale, v_scale):
-    """The two launches the fused kernel replaces, as the attention layer ran them."""
+    """What the fused kernel replaces: the rotary launch, then the scatter into the cache."""
     q, k = apply_rotary_triton(q, k, positions, table)
     if k_cache.dtype == FP8_DTYPE:
         k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
-    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
 
 
