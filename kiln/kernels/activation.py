@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels._triton import tl, triton, use_triton
+from kiln.kernels._triton import pdl, tl, triton, use_triton, wait_for_inputs
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -41,7 +43,8 @@ def silu_and_mul_triton(x: torch.Tensor, block: int = 1024, num_warps: int = 4) 
     grid = (num_rows, triton.cdiv(inter, block))
     assert grid[1] < 65536
     _silu_and_mul_kernel[grid](
-        x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block, num_warps=num_warps
+        x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block, num_warps=num_warps,
+        USE_PDL=pdl(x.device), launch_pdl=pdl(x.device),
     )
     return out
 

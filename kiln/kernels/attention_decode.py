@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from kiln.kernels._triton import next_power_of_2, num_sms, tl, triton
+from kiln.kernels._triton import next_power_of_2, num_sms, pdl, tl, triton, wait_for_inputs
 from kiln.kernels.attention_prefill import LOG2E, _attn_tile, check_attention_args
 
 # (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py --decode-sweep,
@@ -92,8 +92,9 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     qk_scale, min_partition_len, num_heads, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,8 +151,9 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
     stride_ot, stride_oh, min_partition_len, num_heads, num_splits, block_n,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(cu_seqlens_q_ptr + seq)
@@ -212,6 +214,7 @@ def paged_attention_decode_triton(
     min_partition_len = triton.cdiv(min_partition_len or block_n, block_n) * block_n
     num_splits = max(1, min(num_splits, triton.cdiv(max_seqlen_k, min_partition_len)))
     group = num_heads // num_kv_heads
+    use_pdl = pdl(q.device)
     if num_splits > 1:
         shape = (q.shape[0], num_heads, num_splits)
         part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
@@ -226,13 +229,13 @@ def paged_attention_decode_triton(
         scale * LOG2E, min_partition_len, num_heads, num_splits,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=num_splits == 1,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, USE_PDL=use_pdl, launch_pdl=use_pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, cu_seqlens_q, seq_lens, out.stride(0), out.stride(1),
             min_partition_len, num_heads, num_splits, block_n,
             BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4,
+            num_warps=4, USE_PDL=use_pdl, launch_pdl=use_pdl,
         )  # fmt: skip
     return out

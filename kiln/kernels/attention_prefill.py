@@ -18,13 +18,22 @@ import math
 
 import torch
 
-from kiln.kernels._triton import tl, triton
+from kiln.kernels._triton import pdl, tl, triton, wait_for_inputs
 
 LOG2E = math.log2(math.e)  # exp(x) == exp2(x * LOG2E)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, tuned on an H100 by
 # benchmarks/gpu_kernels.py
 PREFILL_CONFIGS = {64: (128, 64, 8, 3), 128: (128, 32, 4, 3)}
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """tl.dot, with float32 operands multiplied in full precision (not TF32): a float32 model is
+    the engine's precise configuration, compared token for token with the torch backend."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -55,7 +64,7 @@ def _attn_tile(
         k_t = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
     else:
         k_t = tl.load(k_ptrs)
-    qk = tl.dot(q, k_t.to(q.dtype))  # an fp8 cache is widened in registers (no-op otherwise)
+    qk = _dot(q, k_t.to(q.dtype), None)  # an fp8 cache is widened in registers (no-op otherwise)
     if MASKED:
         keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         qk = tl.where(keep, qk, float("-inf"))
@@ -69,7 +78,7 @@ def _attn_tile(
     else:
         v = tl.load(v_ptrs)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+    acc = _dot(p.to(q.dtype), v.to(q.dtype), acc)
     return acc, l_i, m_new
 
 
@@ -82,8 +91,9 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     qk_scale,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     head = tl.program_id(0)
     seq = tl.program_id(1)
     # the last query blocks see the most keys: start them first so the tail of the grid is short
@@ -187,5 +197,6 @@ def paged_attention_prefill_triton(
         scale * LOG2E,
         GROUP=num_heads // num_kv_heads, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=pdl(q.device), launch_pdl=pdl(q.device),
     )  # fmt: skip
     return out

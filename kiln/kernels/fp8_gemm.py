@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from kiln.kernels._triton import num_sms, tl, triton
+from kiln.kernels._triton import num_sms, pdl, tl, triton, wait_for_inputs
 
 
 class Fp8GemmConfig(NamedTuple):
@@ -32,8 +32,9 @@ def _fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -91,6 +92,7 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor,
         xq.stride(0), wq.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=pdl(xq.device), launch_pdl=pdl(xq.device),
     )  # fmt: skip
     return y
 

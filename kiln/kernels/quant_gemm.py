@@ -23,7 +23,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels._triton import next_power_of_2, num_sms, tl, triton, use_triton
+from kiln.kernels._triton import (
+    next_power_of_2,
+    num_sms,
+    pdl,
+    tl,
+    triton,
+    use_triton,
+    wait_for_inputs,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 # above this many rows dequantize-then-cuBLAS beats the fused kernel (benchmarks/gpu_quant.py)
@@ -69,8 +77,9 @@ def _wint_gemm_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, ATOMIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -240,6 +249,18 @@ def _fma_word_plane(one, p, xs, words, x_row, perm_ptr, smooth_ptr, cols, c_mask
 
 
 @triton.jit
+def _load_words(w_rows, cols, live, KW, EVEN_K: tl.constexpr):
+    """The int32 words [BLOCK_N, len(cols)] at ``cols`` of every row; none if not ``live`` (a
+    scalar: past the program's K range), masked past KW unless EVEN_K."""
+    # a uniform mask (one predicate for the tile keeps 16-byte loads), splat into a tensor
+    # because the interpreter takes no scalar mask
+    tile = tl.full([1, cols.shape[0]], 1, tl.int1) & live
+    if EVEN_K:
+        return tl.load(w_rows + cols[None, :], mask=tile, other=0)
+    return tl.load(w_rows + cols[None, :], mask=tile & (cols < KW)[None, :], other=0)
+
+
+@triton.jit
 def _wq_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, out_ptr,
     M, N, KW, kw_per_split,
@@ -247,7 +268,7 @@ def _wq_gemv_kernel(
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
     ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """CUDA-core GEMV: y[m, n] for the row m = program_id(0) of x, FMAs in float32.
 
@@ -255,6 +276,11 @@ def _wq_gemv_kernel(
     packed weight viewed as int32 [N, KW] (stride_wn in words). Rows of x are programs (their
     weight reads after the first come from L2): 3-D tensors with an M axis made Triton shuffle
     the weights between layouts.
+
+    The words of the next tile are loaded before the current one is multiplied (in registers),
+    and those of the first tile before ``wait_for_inputs``: the weights do not depend on the
+    previous kernel, so with PDL the program's first loads overlap that kernel's tail instead of
+    starting after it, and a program's load and FMA phases overlap instead of taking turns.
     """
     BLOCK_C: tl.constexpr = BLOCK_KW // 4
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -271,13 +297,14 @@ def _wq_gemv_kernel(
     # before every decode's and/or (about 0.6 more instructions per code)
     one = (KW >> 31) + 0x3F800000
     kw_begin = pid_k * kw_per_split
-    for kw0 in range(kw_begin, tl.minimum(kw_begin + kw_per_split, KW), BLOCK_KW):
-        cols = kw0 + offs_w
-        if EVEN_K:
-            packed = tl.load(w_rows + cols[None, :])
-        else:
-            packed = tl.load(w_rows + cols[None, :], mask=(cols < KW)[None, :], other=0)
-        we, wo = tl.split(tl.reshape(packed, [BLOCK_N, BLOCK_C, 2, 2]))
+    kw_end = tl.minimum(kw_begin + kw_per_split, KW)
+    packed = _load_words(w_rows, kw_begin + offs_w, kw_begin < kw_end, KW, EVEN_K)
+    wait_for_inputs(USE_PDL)
+    for kw0 in range(kw_begin, kw_end, BLOCK_KW):
+        words = packed
+        packed = _load_words(w_rows, kw0 + BLOCK_KW + offs_w, kw0 + BLOCK_KW < kw_end, KW,
+                             EVEN_K)  # fmt: skip
+        we, wo = tl.split(tl.reshape(words, [BLOCK_N, BLOCK_C, 2, 2]))
         w0, w2 = tl.split(we)
         w1, w3 = tl.split(wo)
         c0 = kw0 + offs_c
@@ -357,7 +384,7 @@ def _wq_gemv_mma_kernel(
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
     ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, NATURAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Tensor-core variant (swap AB): out^T[n, m] += W[n, k] x[m, k]^T.
 
@@ -367,6 +394,7 @@ def _wq_gemv_mma_kernel(
     [BLOCK_N, PER_WORD BLOCK_KW] tile in input order, one dot against a contiguous x tile;
     else one dot per code position against x[:, PER_WORD w + j] (strided loads).
     """
+    wait_for_inputs(USE_PDL)
     PER_WORD: tl.constexpr = 32 // BITS
     dt = x_ptr.dtype.element_ty
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -473,9 +501,11 @@ def _wq_dequant_kernel(
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
     ZERO_SYM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Dense W_eff[n, perm[k]] = (u - z) s smooth[k] from the int32 words (16-byte loads); the
     codes of a word are joined in registers so that the stores are contiguous."""
+    wait_for_inputs(USE_PDL)  # the store may reuse memory the previous kernel still reads
     PER_WORD: tl.constexpr = 32 // BITS
     dt = out_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -519,7 +549,9 @@ def _wint_dequant_kernel(
     N, K, group_size, stride_wn, stride_sn, stride_zn, stride_on,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_mask, k_mask = offs_n < N, offs_k < K
@@ -666,7 +698,7 @@ def _gemv_launch(
         ATOMIC=atomic, EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
         **({"NATURAL": cfg.natural} if cfg.mma else {}),
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, USE_PDL=pdl(x.device), launch_pdl=pdl(x.device),
     )  # fmt: skip
     return out.to(x.dtype) if atomic else out
 
@@ -725,6 +757,7 @@ def wint_gemm_triton(
         BITS=bits, GROUPS_PER_TILE=groups_per_tile, ATOMIC=atomic,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(qweight, zeros, perm, smooth),
+        USE_PDL=pdl(x.device), launch_pdl=pdl(x.device),
     )  # fmt: skip
     return out.to(x.dtype) if atomic else out
 
@@ -743,6 +776,7 @@ def wint_dequant_triton(
     n = scales.shape[0]
     k = qweight.shape[1] * (8 if bits == 4 else 1)
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    use_pdl = pdl(qweight.device)
     words = _words(qweight, bits)
     group = k if group_size <= 0 else group_size
     if words is not None and (group >= k or group % (32 // bits) == 0):
@@ -757,6 +791,7 @@ def wint_dequant_triton(
             HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None,
             WPG=0 if group >= k else group * bits // 32, CODE_SCALE=float(2**bits),
             ZERO_SYM=float(2 ** (bits - 1)), BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=4,
+            USE_PDL=use_pdl, launch_pdl=use_pdl,
         )  # fmt: skip
         return out
     block_n, block_k = 32, 128
@@ -767,7 +802,7 @@ def wint_dequant_triton(
         n, k, k if group_size <= 0 else group_size, qweight.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, out.stride(0),
         BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        **_flags(qweight, zeros, perm, smooth),
+        **_flags(qweight, zeros, perm, smooth), USE_PDL=use_pdl, launch_pdl=use_pdl,
     )  # fmt: skip
     return out
 

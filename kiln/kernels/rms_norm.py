@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels._triton import next_power_of_2, tl, triton, use_triton
+from kiln.kernels._triton import next_power_of_2, pdl, tl, triton, use_triton, wait_for_inputs
 
 
 @triton.jit
@@ -23,10 +23,13 @@ def _rms_norm_kernel(
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -35,7 +38,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = (normed * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
@@ -78,6 +80,7 @@ def rms_norm_triton(
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
         hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        USE_PDL=pdl(x.device), launch_pdl=pdl(x.device),
     )  # fmt: skip
     return out if residual is None else (out, res_out)
 

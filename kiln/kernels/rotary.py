@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels._triton import next_power_of_2, tl, triton, use_triton
+from kiln.kernels._triton import next_power_of_2, pdl, tl, triton, use_triton, wait_for_inputs
 from kiln.kernels.kv_cache import (
     FP8_DTYPE,
     FP8_MAX,
@@ -88,7 +88,9 @@ def _rotary_kernel(
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     BLOCK_HD: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
     STORE_K: tl.constexpr, WRITE_CACHE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -176,6 +178,7 @@ def _launch(
         BLOCK_TAIL=next_power_of_2(head_dim - rot_dim), BLOCK_HD=next_power_of_2(head_dim),
         BLOCK_QH=block_qh, BLOCK_KH=block_kh, STORE_K=store_k, WRITE_CACHE=write_cache,
         FP8=fp8, FP8_MAX=FP8_MAX, num_warps=4 if block_qh * half <= 4096 else 8,
+        USE_PDL=pdl(q3.device), launch_pdl=pdl(q3.device),
     )  # fmt: skip
 
 

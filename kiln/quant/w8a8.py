@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels._triton import next_power_of_2, tl, triton, use_triton
+from kiln.kernels._triton import next_power_of_2, pdl, tl, triton, use_triton, wait_for_inputs
 from kiln.kernels.fp8_gemm import fp8_gemm_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -29,8 +29,9 @@ FP8_GEMM_MAX_M = 64  # FP8 rows up to which the Triton GEMM beats _scaled_mm (gp
 def _quant_per_token_kernel(
     x_ptr, smooth_ptr, static_ptr, q_ptr, scale_ptr, K, stride_x, stride_q,
     QMAX_: tl.constexpr, MIN_AMAX_: tl.constexpr, IS_FP8: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-    STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
+    STATIC: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     if STATIC:
@@ -72,6 +73,7 @@ def quant_per_token_triton(x: torch.Tensor, kind: str, smooth: torch.Tensor | No
         static_scale if static_scale is not None else dummy, q, scales, k, x.stride(0), q.stride(0),
         QMAX_=QMAX[kind], MIN_AMAX_=MIN_AMAX, IS_FP8=kind == "fp8", HAS_SMOOTH=smooth is not None,
         STATIC=static_scale is not None, BLOCK_K=block, num_warps=4 if block <= 1024 else 8,
+        USE_PDL=pdl(x.device), launch_pdl=pdl(x.device),
     )  # fmt: skip
     return q, scales
 
