@@ -252,7 +252,10 @@ SWEEP_SHAPES = {
 SWEEP_SHAPES["full"] = SWEEP_SHAPES["small"]
 # batch-1 decode only, every layer shape of Llama-3.1-8B plus its LM head (W8A16 in every
 # weight-only format)
-SWEEPS["decode1"] = {1: SWEEPS["full"][1]}
+SWEEPS["decode1"] = {1: SWEEPS["full"][1] + [
+    # with the next tile loaded while the current one is multiplied (and the first before the
+    # PDL wait), tiles shorter than K pipeline inside a program: K = 4096 in 2 or 4 steps
+    G(1, 8, 256), G(1, 16, 256), G(1, 4, 256), G(1, 8, 128), G(1, 4, 512), G(1, 8, 256, 2)]}
 SWEEP_SHAPES["decode1"] = {1: [(n, k) for n, k, _ in SHAPES] + [(128256, 4096)]}
 
 
