@@ -622,14 +622,16 @@ def _gemv_config(m: int, n: int, k: int, bits: int) -> GemvConfig | None:
     ``natural=True`` word-kernel variant has not run on a GPU yet: not a default.
     """
     if m <= 2:
-        # batch 1 (results/h100/quant_decode1_sweep.txt): a vocabulary-sized LM head streams best
-        # with short rows per program (W8 128256 x 4096: 172 us against 189), and the merged
-        # gate/up projection's 8-bit codes with 16 rows a program (28672 x 4096: 42.5 vs 43.1)
+        # batch 1, from the sweep with PDL and the pipelined K loop
+        # (results/h100/quant_decode1_sweep.txt): 8-bit codes stream best 4 rows a program at
+        # every shape but qkv and the 14336-wide gate (within 1.5 us there), the LM head
+        # included (128256 x 4096: 167 us against 176); int4 keeps 8 rows, and 16 where K is
+        # long (down_proj, 4096 x 14336: 14.4 us against 16.5)
+        if bits == 8:
+            return GemvConfig(1, 4, 512)
         if n >= 65536:
-            return GemvConfig(1, 8, 256, 1) if bits == 8 else GemvConfig(1, 16, 512, 1)
-        if bits == 8 and n >= 16384:
             return GemvConfig(1, 16, 512, 1)
-        return GemvConfig(1, 8, 512)
+        return GemvConfig(1, 16, 512, 1) if k >= 8192 else GemvConfig(1, 8, 512)
     if m <= GEMV_FMA_MAX_M:
         return GemvConfig(1, 16, 512)
     # the tensor-core word kernel (GemvConfig(16, 64, 32, mma=True)) beat the tile kernel for int4
