@@ -214,7 +214,7 @@ def paged_attention_decode_triton(
     min_partition_len = triton.cdiv(min_partition_len or block_n, block_n) * block_n
     num_splits = max(1, min(num_splits, triton.cdiv(max_seqlen_k, min_partition_len)))
     group = num_heads // num_kv_heads
-    use_pdl = pdl(q.device)
+    launch_pdl = pdl(q.device, q.shape[0])
     if num_splits > 1:
         shape = (q.shape[0], num_heads, num_splits)
         part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
@@ -229,13 +229,13 @@ def paged_attention_decode_triton(
         scale * LOG2E, min_partition_len, num_heads, num_splits,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=num_splits == 1,
-        num_warps=num_warps, num_stages=num_stages, USE_PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch_pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, cu_seqlens_q, seq_lens, out.stride(0), out.stride(1),
             min_partition_len, num_heads, num_splits, block_n,
             BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4, USE_PDL=use_pdl, launch_pdl=use_pdl,
+            num_warps=4, **launch_pdl,
         )  # fmt: skip
     return out

@@ -700,7 +700,7 @@ def _gemv_launch(
         ATOMIC=atomic, EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
         **({"NATURAL": cfg.natural} if cfg.mma else {}),
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, USE_PDL=pdl(x.device), launch_pdl=pdl(x.device),
+        num_stages=cfg.num_stages, **pdl(x.device, m),
     )  # fmt: skip
     return out.to(x.dtype) if atomic else out
 
@@ -759,7 +759,7 @@ def wint_gemm_triton(
         BITS=bits, GROUPS_PER_TILE=groups_per_tile, ATOMIC=atomic,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(qweight, zeros, perm, smooth),
-        USE_PDL=pdl(x.device), launch_pdl=pdl(x.device),
+        **pdl(x.device, m),
     )  # fmt: skip
     return out.to(x.dtype) if atomic else out
 
@@ -778,7 +778,7 @@ def wint_dequant_triton(
     n = scales.shape[0]
     k = qweight.shape[1] * (8 if bits == 4 else 1)
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    use_pdl = pdl(qweight.device)
+    launch_pdl = pdl(qweight.device, n)  # a weight-sized launch: rows of W
     words = _words(qweight, bits)
     group = k if group_size <= 0 else group_size
     if words is not None and (group >= k or group % (32 // bits) == 0):
@@ -793,7 +793,7 @@ def wint_dequant_triton(
             HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None,
             WPG=0 if group >= k else group * bits // 32, CODE_SCALE=float(2**bits),
             ZERO_SYM=float(2 ** (bits - 1)), BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=4,
-            USE_PDL=use_pdl, launch_pdl=use_pdl,
+            **launch_pdl,
         )  # fmt: skip
         return out
     block_n, block_k = 32, 128
@@ -804,7 +804,7 @@ def wint_dequant_triton(
         n, k, k if group_size <= 0 else group_size, qweight.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, out.stride(0),
         BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        **_flags(qweight, zeros, perm, smooth), USE_PDL=use_pdl, launch_pdl=use_pdl,
+        **_flags(qweight, zeros, perm, smooth), **launch_pdl,
     )  # fmt: skip
     return out
 
