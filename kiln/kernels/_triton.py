@@ -84,13 +84,12 @@ def _capability_major(index: int) -> int:
     return torch.cuda.get_device_properties(index).major
 
 
-def pdl(device: torch.device, rows: int) -> dict:
-    """Launch options for a kernel over ``rows`` rows (tokens) on ``device``: USE_PDL (the
-    constexpr the kernel takes) and launch_pdl. PDL on compiled kernels on sm_90+, up to
-    KILN_PDL_MAX_ROWS rows; KILN_PDL=0 turns it off (the benchmarks' switch)."""
+def pdl(device: torch.device) -> dict:
+    """Launch options for a kernel on ``device``: USE_PDL (the constexpr the kernel takes) and
+    launch_pdl. PDL on compiled kernels on sm_90+; KILN_PDL=0 turns it off (the benchmarks'
+    switch to measure what it is worth)."""
     on = device.type == "cuda" and os.environ.get("KILN_PDL", "1") != "0"
     if on:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        on = _capability_major(index) >= 9 and rows <= int(os.environ.get("KILN_PDL_MAX_ROWS",
-                                                                           1 << 30))
+        on = _capability_major(index) >= 9
     return {"USE_PDL": on, "launch_pdl": on}

@@ -44,7 +44,7 @@ def silu_and_mul_triton(x: torch.Tensor, block: int = 1024, num_warps: int = 4) 
     assert grid[1] < 65536
     _silu_and_mul_kernel[grid](
         x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block, num_warps=num_warps,
-        **pdl(x.device, num_rows),
+        **pdl(x.device),
     )
     return out
 

@@ -214,7 +214,7 @@ def paged_attention_decode_triton(
     min_partition_len = triton.cdiv(min_partition_len or block_n, block_n) * block_n
     num_splits = max(1, min(num_splits, triton.cdiv(max_seqlen_k, min_partition_len)))
     group = num_heads // num_kv_heads
-    launch_pdl = pdl(q.device, q.shape[0])
+    launch_pdl = pdl(q.device)
     if num_splits > 1:
         shape = (q.shape[0], num_heads, num_splits)
         part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)

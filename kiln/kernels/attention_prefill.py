@@ -197,6 +197,6 @@ def paged_attention_prefill_triton(
         scale * LOG2E,
         GROUP=num_heads // num_kv_heads, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-        **pdl(q.device, q.shape[0]),
+        **pdl(q.device),
     )  # fmt: skip
     return out

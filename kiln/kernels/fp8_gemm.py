@@ -92,7 +92,7 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor,
         xq.stride(0), wq.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl(xq.device, m),
+        **pdl(xq.device),
     )  # fmt: skip
     return y
 

@@ -700,7 +700,7 @@ def _gemv_launch(
         ATOMIC=atomic, EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
         **({"NATURAL": cfg.natural} if cfg.mma else {}),
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl(x.device, m),
+        num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
     return out.to(x.dtype) if atomic else out
 
@@ -759,7 +759,7 @@ def wint_gemm_triton(
         BITS=bits, GROUPS_PER_TILE=groups_per_tile, ATOMIC=atomic,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(qweight, zeros, perm, smooth),
-        **pdl(x.device, m),
+        **pdl(x.device),
     )  # fmt: skip
     return out.to(x.dtype) if atomic else out
 
@@ -778,7 +778,7 @@ def wint_dequant_triton(
     n = scales.shape[0]
     k = qweight.shape[1] * (8 if bits == 4 else 1)
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    launch_pdl = pdl(qweight.device, n)  # a weight-sized launch: rows of W
+    launch_pdl = pdl(qweight.device)
     words = _words(qweight, bits)
     group = k if group_size <= 0 else group_size
     if words is not None and (group >= k or group % (32 // bits) == 0):

@@ -80,7 +80,7 @@ def rms_norm_triton(
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
         hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
-        **pdl(x.device, num_rows),
+        **pdl(x.device),
     )  # fmt: skip
     return out if residual is None else (out, res_out)
 

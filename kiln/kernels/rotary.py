@@ -178,7 +178,7 @@ def _launch(
         BLOCK_TAIL=next_power_of_2(head_dim - rot_dim), BLOCK_HD=next_power_of_2(head_dim),
         BLOCK_QH=block_qh, BLOCK_KH=block_kh, STORE_K=store_k, WRITE_CACHE=write_cache,
         FP8=fp8, FP8_MAX=FP8_MAX, num_warps=4 if block_qh * half <= 4096 else 8,
-        **pdl(q3.device, num_tokens),
+        **pdl(q3.device),
     )  # fmt: skip
 
 

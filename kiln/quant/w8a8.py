@@ -73,7 +73,7 @@ def quant_per_token_triton(x: torch.Tensor, kind: str, smooth: torch.Tensor | No
         static_scale if static_scale is not None else dummy, q, scales, k, x.stride(0), q.stride(0),
         QMAX_=QMAX[kind], MIN_AMAX_=MIN_AMAX, IS_FP8=kind == "fp8", HAS_SMOOTH=smooth is not None,
         STATIC=static_scale is not None, BLOCK_K=block, num_warps=4 if block <= 1024 else 8,
-        **pdl(x.device, m),
+        **pdl(x.device),
     )  # fmt: skip
     return q, scales
 
