@@ -263,7 +263,8 @@ def sweep(results: list[dict], name: str, budget: float) -> None:
     grid, formats = SWEEPS[name], {}
     for m in grid:
         shapes = [(n, k) for n, k, _ in SHAPES[:1]] if SMOKE else SWEEP_SHAPES[name][m]
-        for (n, k), kind in itertools.product(shapes, ("w4", "w8", "fp8_wo")):
+        kinds = ("w4", "w8", "fp8_wo", "w16") if name == "decode1" else ("w4", "w8", "fp8_wo")
+        for (n, k), kind in itertools.product(shapes, kinds):
             if kind == "fp8_wo" and (m not in (1, 16) or k != 4096):
                 continue
             if time.time() - START > budget:
@@ -277,13 +278,20 @@ def sweep(results: list[dict], name: str, budget: float) -> None:
 
 def sweep_one(results: list[dict], configs: list, f: Formats, kind: str, n: int, k: int,
               m: int):
-    args = getattr(f, kind)
+    # w16: the dense bf16 weight through the same GEMV (qg.dense_gemv), cuBLAS as the baseline
+    args = (f.bf16,) if kind == "w16" else getattr(f, kind)
     wbytes = Formats.nbytes(*args)
     x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
-    ref = x.double() @ qg.wint_dequant_ref(*args, torch.float64).double().t()
+    w64 = f.bf16.double() if kind == "w16" else qg.wint_dequant_ref(*args, torch.float64).double()
+    ref = x.double() @ w64.t()
     best = None
-    for cfg in [None, *configs]:
-        make = lambda a, c=cfg: lambda: qg.wint_gemm_triton(x, *a, config=c)
+    for cfg in ["cublas", None, *configs] if kind == "w16" else [None, *configs]:
+        if kind != "w16":
+            make = lambda a, c=cfg: lambda: qg.wint_gemm_triton(x, *a, config=c)
+        elif cfg == "cublas":
+            make = lambda a: lambda: torch.matmul(x, a[0].t())
+        else:
+            make = lambda a, c=cfg: lambda: qg.dense_gemv(x, a[0], config=c)
         try:
             err = rel_err(make(args)(), ref)  # every candidate is checked before it is timed
             us = time_graph_us(rotating(args, make), wbytes)
@@ -291,7 +299,7 @@ def sweep_one(results: list[dict], configs: list, f: Formats, kind: str, n: int,
             results.append(dict(kind=kind, n=n, k=k, m=m, config=repr(cfg), error=repr(exc)[:200]))
             continue
         gbps = (wbytes + 2 * m * (n + k)) / (us * 1e-6) / 1e9
-        name = "default" if cfg is None else repr(cfg)
+        name = "default" if cfg is None else cfg if isinstance(cfg, str) else repr(cfg)
         results.append(dict(kind=kind, n=n, k=k, m=m, config=name, us=us, gb_s=gbps,
                             rel_err=err, ok=err < 1e-2))
         if err < 1e-2 and (best is None or us < best[0]):

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels._triton import (
+    HAS_TRITON,
     next_power_of_2,
     num_sms,
     pdl,
@@ -38,6 +39,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FUSED_MAX_M = {4: 128, 8: 64}
 SMALL_M = 16  # up to this many rows the word-streaming kernels (_wq_gemv_*) may run: decode
 GEMV_FMA_MAX_M = 4  # ... the CUDA-core one up to this many rows; see _gemv_config
+DENSE_GEMV_MAX_M = 1  # bf16 rows up to which dense_gemv replaces cuBLAS
 
 
 @dataclass(frozen=True)
@@ -165,10 +167,15 @@ def _wint_gemm_kernel(
 
 @triton.jit
 def _decode(words, j: tl.constexpr, BITS: tl.constexpr, W_FP8: tl.constexpr, one=0x3F800000):
-    """Code j of int32 words as float32: FP8 codes -> their value, integer u -> 1 + u / 2^BITS.
+    """Code j of int32 words as float32: FP8 codes -> their value, integer u -> 1 + u / 2^BITS,
+    BITS = 16: bf16 weights -> their value (a bf16 is the top half of its float32).
 
     ``one``: the bits of 1.0f (0x3F800000), best passed as a run-time value (see the FMA kernel).
     """
+    if BITS == 16:
+        if j == 0:
+            return (words << 16).to(tl.float32, bitcast=True)
+        return (words & -65536).to(tl.float32, bitcast=True)  # -65536: 0xFFFF0000 as int32
     if W_FP8:
         byte = ((words >> (8 * j)) & 0xFF).to(tl.int8)
         return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -221,21 +228,27 @@ def _fma_word_plane(one, p, xs, words, x_row, perm_ptr, smooth_ptr, cols, c_mask
         x2, x6 = tl.split(xe1)
         x1, x5 = tl.split(xo0)
         x3, x7 = tl.split(xo1)
-    else:
+    elif BITS == 8:
         x_ptrs = x_row + cols[:, None] * 4 + tl.arange(0, 4)[None, :]
         xw = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=c_mask[:, None], other=0.0)
         xe, xo = tl.split(tl.reshape(xw, [BLOCK_C, 2, 2]))
         x0, x2 = tl.split(xe)
         x1, x3 = tl.split(xo)
         x4, x5, x6, x7 = x0, x1, x2, x3  # unused
+    else:  # 16-bit: two inputs per word
+        x_ptrs = x_row + cols[:, None] * 2 + tl.arange(0, 2)[None, :]
+        xw = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=c_mask[:, None], other=0.0)
+        x0, x1 = tl.split(xw)
+        x2, x3, x4, x5, x6, x7 = x0, x1, x0, x1, x0, x1  # unused
     p, xs = _fma_code(one, p, xs, words, x_row, x0, perm_ptr, smooth_ptr, cols, c_mask, 0,
                       BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
     p, xs = _fma_code(one, p, xs, words, x_row, x1, perm_ptr, smooth_ptr, cols, c_mask, 1,
                       BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
-    p, xs = _fma_code(one, p, xs, words, x_row, x2, perm_ptr, smooth_ptr, cols, c_mask, 2,
-                      BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
-    p, xs = _fma_code(one, p, xs, words, x_row, x3, perm_ptr, smooth_ptr, cols, c_mask, 3,
-                      BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+    if BITS <= 8:
+        p, xs = _fma_code(one, p, xs, words, x_row, x2, perm_ptr, smooth_ptr, cols, c_mask, 2,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+        p, xs = _fma_code(one, p, xs, words, x_row, x3, perm_ptr, smooth_ptr, cols, c_mask, 3,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
     if BITS == 4:
         p, xs = _fma_code(one, p, xs, words, x_row, x4, perm_ptr, smooth_ptr, cols, c_mask, 4,
                           BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
@@ -330,12 +343,12 @@ def _wq_gemv_kernel(
         else:
             acc = p
             xacc += xs
-    s = tl.load(s_ptr + rows * stride_sn).to(tl.float32)
-    if WPG > 0:
+    if WPG > 0 or BITS == 16:  # group scales already applied; 16-bit: no scale
         y = tl.sum(acc, axis=1)
     elif W_FP8:
-        y = tl.sum(acc, axis=1) * s
+        y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows * stride_sn).to(tl.float32)
     else:
+        s = tl.load(s_ptr + rows * stride_sn).to(tl.float32)
         if HAS_ZEROS:
             zc = tl.load(z_ptr + rows * stride_zn).to(tl.float32)
             zc = zc + CODE_SCALE
@@ -671,8 +684,10 @@ def _gemv_launch(
     smooth: torch.Tensor | None,
     w_fp8: bool,
     cfg: GemvConfig,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     m, k = x.shape
+    out_dtype = out_dtype or x.dtype
     n, kw = words.shape
     per_word = 32 // bits
     wpg = 0 if group >= k else group // per_word  # scales are looked up per 4 words
@@ -682,7 +697,7 @@ def _gemv_launch(
     kw_per_split = -(-kw // (split * block_kw)) * block_kw
     atomic = split > 1
     out = (torch.zeros if atomic else torch.empty)(
-        m, n, device=x.device, dtype=torch.float32 if atomic else x.dtype
+        m, n, device=x.device, dtype=torch.float32 if atomic else out_dtype
     )
     kernel = _wq_gemv_mma_kernel if cfg.mma else _wq_gemv_kernel
     block_m = max(cfg.block_m, 16) if cfg.mma else 1  # FMA kernel: one row of x per program
@@ -702,7 +717,44 @@ def _gemv_launch(
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
-    return out.to(x.dtype) if atomic else out
+    return out.to(out_dtype) if atomic else out
+
+
+def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``dense_gemv`` runs x [M, K] @ weight^T: a CUDA bf16 weight (contiguous rows,
+    K a multiple of 8, 16-byte aligned) and at most DENSE_GEMV_MAX_M rows of bf16 x."""
+    k = weight.shape[-1]
+    return (HAS_TRITON and x.is_cuda and weight.is_cuda and weight.dtype == torch.bfloat16
+            and x.dtype == torch.bfloat16 and x.numel() <= DENSE_GEMV_MAX_M * k
+            and weight.dim() == 2 and weight.stride() == (k, 1) and k % 8 == 0
+            and weight.data_ptr() % 16 == 0)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None,
+               config: GemvConfig | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) for a dense bf16 W [N, K] through the word-streaming GEMV: its rows read
+    as int32 words of two bf16 each ("16-bit codes", decoded with one shift or and), x [..., K]
+    (bf16; float32 runs too, for the interpreter) -> [..., N] in ``out_dtype`` (x's by default).
+
+    At batch 1 it streams the weights faster than cuBLAS' GEMV kernels on an H100, loads them
+    before its PDL wait, and keeps the whole decode step in PDL-chained Triton kernels
+    (benchmarks/results/h100/quant_decode1_sweep.txt, kind w16)."""
+    n, k = weight.shape
+    assert weight.dtype == torch.bfloat16 and weight.stride() == (k, 1) and k % 8 == 0
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.stride(0) != k:
+        x2 = x2.contiguous()
+    words = weight.view(torch.int32)  # [N, K / 2]
+    cfg = config or _dense_gemv_config(n, k)
+    out = _gemv_launch(x2, words, words, None, 16, k, None, None, False, cfg, out_dtype)
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _dense_gemv_config(n: int, k: int) -> GemvConfig:
+    return GemvConfig(1, 8, 512)
 
 
 def wint_gemm_triton(

@@ -77,9 +77,7 @@ class LMHead(Linear):
         hidden state differently. Other formats return their own dtype."""
         if (isinstance(self.method, DenseLinearMethod) and hidden.is_cuda
                 and hidden.dtype in (torch.float16, torch.bfloat16)):
-            flat = torch.mm(hidden.reshape(-1, hidden.shape[-1]), self.weight.t(),
-                            out_dtype=torch.float32)
-            local = flat.reshape(*hidden.shape[:-1], -1)
+            local = self.method.apply(self, hidden, out_dtype=torch.float32)
         else:
             local = super().forward(hidden)
         logits = self.tp.all_gather_last_dim(local)

@@ -21,6 +21,7 @@ from kiln.kernels.attention_decode import (
     DecodeLaunch,
     decode_launch_config,
     paged_attention_decode_triton,
+    split_counters,
 )
 
 H100_SMS = 132
@@ -65,8 +66,10 @@ def test_launch_config_bounds(sms, num_kv_heads):
 
 def run_decode(
     seq_lens: list[int], num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int,
-    block_size: int = 16, max_seqlen_k: int = 4096, **launch: object,
+    block_size: int = 16, max_seqlen_k: int = 4096, no_query: tuple[int, ...] = (),
+    **launch: object,
 ) -> None:  # fmt: skip
+    """Decode one query per sequence (none for the indices in no_query) against the reference."""
     gen = torch.Generator().manual_seed(seed)
     head_dim = 64
     _, _, k_cache, v_cache, block_tables = make_paged_kv(
@@ -74,9 +77,11 @@ def run_decode(
     )
     # as wide as a graph's table for max_seqlen_k; the padding is page 0, another sequence's
     block_tables = F.pad(block_tables, (0, -(-max_seqlen_k // block_size) - block_tables.shape[1]))
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
+    queries = [int(i not in no_query) for i in range(len(seq_lens))]
+    cu_seqlens_q = torch.tensor([0, *queries], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(sum(queries), num_heads, head_dim, generator=gen).to(dtype)
     args = (
-        q, k_cache, v_cache, torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        q, k_cache, v_cache, cu_seqlens_q,
         torch.tensor(seq_lens, dtype=torch.int32), block_tables, 1, max_seqlen_k, head_dim**-0.5,
     )  # fmt: skip
     out = paged_attention_decode_triton(*args, **launch)
@@ -113,3 +118,34 @@ def test_decode_pages_smaller_than_tile():
     """Pages of 8 keys under one-tile partitions of 16: two pages per tile, 13 splits."""
     run_decode([5, 100, 64], 8, 2, torch.float16, seed=7, block_size=8, max_seqlen_k=200,
                config=(16, 4, 1), num_splits=13)  # fmt: skip
+
+
+# 16-key tiles over 4 splits: partitions of max(16, cdiv(cdiv(len, 4), 16) * 16) keys, so these
+# lengths run 1, 4, 1, 3, 4 and 2 partitions (4 is every split) in one launch, and each
+# (sequence, kv head) pair's last partition combines a different count
+MIXED_LENS = [5, 100, 16, 40, 64, 20]
+FOUR_SPLITS = {"config": (16, 4, 1), "num_splits": 4}
+
+
+@needs_triton
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2)], ids=["gqa1", "gqa4"])
+@pytest.mark.parametrize("dtype", INTERPRET_DTYPES)
+def test_decode_mixed_partition_counts(heads, dtype):
+    run_decode(MIXED_LENS, *heads, dtype, seed=30 + heads[0], **FOUR_SPLITS)
+
+
+@needs_triton
+def test_decode_back_to_back_launches():
+    """The counters are shared by every launch: the second launch (another batch, other lengths,
+    so other partition counts per pair) is right only if the first left them all at zero."""
+    run_decode([100, 40], 8, 2, torch.float32, seed=41, **FOUR_SPLITS)
+    run_decode([20, 5, 64, 100, 37], 8, 2, torch.float32, seed=42, **FOUR_SPLITS)
+
+
+@needs_triton
+def test_decode_leaves_counters_zero():
+    """Every pair's counter is back at zero after a launch, with splits that exit early and a
+    sequence without a query this step (neither may touch its counter)."""
+    run_decode(MIXED_LENS, 8, 2, torch.float16, seed=50, no_query=(1, 4), **FOUR_SPLITS)
+    counters = split_counters(torch.device("cpu"), len(MIXED_LENS) * 2)
+    assert not counters.any(), f"counters left non-zero at {counters.nonzero().flatten().tolist()}"

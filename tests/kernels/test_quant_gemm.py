@@ -209,3 +209,48 @@ def test_gpu_w8a8(kind, m):
     ref = w8a8.w8a8_linear_ref(x, wq, ws, kind, smooth)
     out = w8a8.w8a8_linear(x.cuda(), wq.cuda(), ws.cuda(), kind, smooth.cuda())
     assert_rel_close(out.cpu(), ref, 1e-2, f"w8a8 {kind} m={m}")
+
+
+# ---- dense bf16 weights through the word-streaming GEMV ("16-bit codes") ----------------------
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [
+        (1, 24, 64, None),  # one whole tile per row
+        (1, 13, 40, qg.GemvConfig(1, 8, 16)),  # rows past N clamped; K in 2.5 tiles (masked)
+        (2, 16, 256, qg.GemvConfig(1, 4, 32)),  # a pipelined K loop of 4 tiles, 2 rows of x
+        (1, 16, 128, qg.GemvConfig(1, 8, 16, split_k=2)),  # split-K through float32 atomics
+    ],
+)
+def test_dense_gemv(m, n, k, config):
+    """bf16 weights read as int32 words; x in float32 (the interpreter mishandles bf16 tensors;
+    the GPU test below runs bf16). Against float64 math on the same weight."""
+    gen = torch.Generator().manual_seed(n * k + m)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    out = qg.dense_gemv(x, weight, bias, config=config)
+    ref = x.double() @ weight.double().t() + bias.double()
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert_rel_close(out.double(), ref, 1e-5, f"dense_gemv m={m} {n}x{k} {config}")
+
+
+def test_dense_gemv_applies_only_to_decode_rows_of_cuda_bf16():
+    w = torch.randn(16, 64).bfloat16()
+    assert not qg.dense_gemv_applies(torch.randn(1, 64).bfloat16(), w)  # CPU: cuBLAS' job
+
+
+@gpu
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (1000, 96)])
+def test_gpu_dense_gemv(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16().cuda()
+    x = torch.randn(1, k, generator=gen).bfloat16().cuda()
+    assert qg.dense_gemv_applies(x, weight)
+    ref = x.double() @ weight.double().t()
+    assert_rel_close(qg.dense_gemv(x, weight).double(), ref, 1e-2, f"bf16 {n}x{k}")
+    logits = qg.dense_gemv(x, weight, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    assert_rel_close(logits.double(), ref, 1e-5, f"bf16 {n}x{k}, float32 out")
