@@ -5,23 +5,16 @@ real context is cut into partitions of whole BLOCK_N tiles, one program each, so
 batch still fills the GPU. Each program loads every K/V tile of its kv head once and scores it
 against all GROUP = num_heads / num_kv_heads query heads that share it (a
 [GROUP, HEAD_DIM] x [HEAD_DIM, BLOCK_N] product, GROUP padded to 16 rows for the tensor cores).
-A partition leaves its normalized output o_s and log-sum-exp lse_s (base 2) in float32 scratch,
-and the last partition program of a (sequence, kv head) to finish combines them exactly, for the
-GROUP query heads of that kv head, in the same launch:
+A partition leaves its normalized output o_s and log-sum-exp lse_s (base 2); the second pass
+combines them exactly:
 
     out = sum_s w_s o_s,    w_s = 2^(lse_s - max lse) / sum_s' 2^(lse_s' - max lse)
-
-"Last" is decided by an atomic counter per (sequence, kv head) (the "last block reduces" pattern
-of CUDA's threadFenceReduction sample): each partition increments it after its partials are
-stored, and the program that sees every other partition's increment reads their partials back,
-writes the output and resets the counter to zero for the next launch. This saves the launch of a
-separate reduction kernel, a few microseconds per layer at batch 1.
 
 num_splits is a host choice (fixed when a CUDA graph is captured, with max_seqlen_k at the model's
 maximum length), but the partition length is computed in the kernel from the sequence's real
 length: a short context is spread over as many splits as it has tiles, a long one over all of
-them, and the splits it does not need exit at once. With a single split (DIRECT) the kernel writes
-the output directly, with no scratch and no counter.
+them, and the splits it does not need exit at once. With a single split (DIRECT) the first pass
+writes the output directly and no second pass runs.
 """
 
 from __future__ import annotations
@@ -83,26 +76,23 @@ def decode_launch_config(
 @triton.jit
 def _partition_len(seq_len, num_splits, min_partition_len, block_n):
     """Keys per partition of a sequence: its real length over the splits, in whole tiles (so that
-    only the last partition has a ragged tile), never under min_partition_len. The partitions
-    that run are the first cdiv(seq_len, partition_len) splits, which is what the last one
-    counts to and combines."""
+    only the last partition has a ragged tile), never under min_partition_len. Both passes call
+    this, so the reduction reads exactly the partitions that ran."""
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), block_n) * block_n
     return tl.maximum(per_split, min_partition_len)
 
 
 # these ints change with batch and context length: no per-value specialization, so a new step
-# shape never triggers a compile while serving. BLOCK_S (num_splits rounded up to a power of two,
-# for the combination) does pick a variant: one of a handful, as it did for the separate reduction
-# kernel this one replaces.
+# shape never triggers a compile while serving
 @triton.jit(do_not_specialize=["stride_bt", "min_partition_len", "num_splits"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     qk_scale, min_partition_len, num_heads, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL)
     seq = tl.program_id(0)
@@ -155,81 +145,35 @@ def _decode_kernel(
         part_ptrs = part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(part_ptrs, out, mask=g_mask[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_mask)
-        # Last block reduces. The barrier makes every thread's partial stores precede the
-        # counter update, which one thread does with release semantics at GPU scope: whichever
-        # program later sees this increment (acquire) also sees those stores.
-        tl.debug_barrier()
-        pair = seq * tl.num_programs(1) + kv_head
-        prev = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel", scope="gpu")
-        num_parts = tl.cdiv(seq_len, partition_len)  # the splits that did not return early
-        if prev == num_parts - 1:  # every other partition of the pair has stored its partials
-            # no program of this launch touches the counter again: leave it zero for the next
-            tl.store(counter_ptr + pair, 0)
-            # the acquire was one thread's: the barrier orders every thread's reads after it
-            tl.debug_barrier()
-            _combine_partitions(
-                part_out_ptr, part_lse_ptr, out_ptr, q_row, kv_head * GROUP, num_heads,
-                num_splits, num_parts, stride_ot, stride_oh, GROUP, BLOCK_S, HEAD_DIM,
-            )  # fmt: skip
 
 
-@triton.jit
-def _combine_partitions(
-    part_out_ptr, part_lse_ptr, out_ptr, q_row, first_head, num_heads, num_splits, num_parts,
-    stride_ot, stride_oh,
-    GROUP: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+@triton.jit(do_not_specialize=["min_partition_len", "num_splits"])
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    stride_ot, stride_oh, min_partition_len, num_heads, num_splits, block_n,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """out = sum_s w_s o_s for query heads first_head .. first_head + GROUP - 1 of row q_row,
-    over the num_parts partitions that ran. The partials were written by other programs, maybe
-    on other SMs: .cg reads them from L2, never from a line this SM's L1 may hold."""
+    wait_for_inputs(USE_PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    partition_len = _partition_len(seq_len, num_splits, min_partition_len, block_n)
+    num_parts = tl.cdiv(seq_len, partition_len)  # partitions that ran
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < num_parts
-    for g in range(GROUP):
-        head = first_head + g
-        part = (q_row * num_heads + head) * num_splits + offs_s  # [BLOCK_S]
-        lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - tl.max(lse, 0))
-        w = w / tl.sum(w, 0)
-        parts = tl.load(  # [BLOCK_S, HEAD_DIM]
-            part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=s_mask[:, None], other=0.0, cache_modifier=".cg",
-        )  # fmt: skip
-        out = tl.sum(parts * w[:, None], 0)
-        out_ptrs = out_ptr + q_row * stride_ot + head * stride_oh + offs_d
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
-
-
-# Split-KV arrival counters, one int32 per (sequence, kv head), per device. Every launch on a
-# device shares them: that is safe because launches on one stream run one after another (under
-# PDL too: a kernel touches them only after wait_for_inputs, i.e. after its predecessor has
-# finished) and each launch leaves every counter it used at zero. A CUDA graph bakes in the
-# buffer's address, so a buffer that was outgrown is kept alive (never freed) in _RETIRED_COUNTERS.
-MIN_COUNTERS = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []
-
-
-def split_counters(device: torch.device, num_pairs: int) -> torch.Tensor:
-    """The zeroed counter buffer of `device`, with at least `num_pairs` entries."""
-    if device.type == "cuda" and device.index is None:  # one buffer per GPU, however named
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _COUNTERS.get(device)
-    if counters is not None and counters.numel() >= num_pairs:
-        return counters
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # an allocation here would come from the graph's private pool, and a zeroing kernel
-        # would be captured and replayed; the engine's eager warm-up should have sized it
-        have = 0 if counters is None else counters.numel()
-        raise RuntimeError(
-            f"decode attention needs {num_pairs} split-KV counters but {have} exist on {device} "
-            "while a CUDA graph is being captured; run the same batch eagerly once before "
-            "capturing (or call kiln.kernels.attention_decode.split_counters beforehand)")
-    if counters is not None:
-        _RETIRED_COUNTERS.append(counters)
-    size = max(MIN_COUNTERS, next_power_of_2(num_pairs))
-    _COUNTERS[device] = counters = torch.zeros(size, dtype=torch.int32, device=device)
-    return counters
+    part = (q_row.to(tl.int64) * num_heads + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    part_ptrs = part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+    parts = tl.load(part_ptrs, mask=s_mask[:, None], other=0.0)  # [BLOCK_S, HEAD_DIM]
+    out = tl.sum(parts * w[:, None], 0)
+    out_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_attention_decode_triton(
@@ -246,7 +190,7 @@ def paged_attention_decode_triton(
     config: tuple[int, int, int] | None = None,
     min_partition_len: int | None = None,
 ) -> torch.Tensor:
-    """Launch split-KV decode attention; every sequence has at most one query token.
+    """Launch decode (+ reduction); every sequence has at most one query token.
 
     num_splits and config = (BLOCK_N, num_warps, num_stages) override decode_launch_config's
     choice, and min_partition_len the one-tile floor of the partition length (tests and
@@ -275,19 +219,23 @@ def paged_attention_decode_triton(
         shape = (q.shape[0], num_heads, num_splits)
         part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-        counters = split_counters(q.device, num_seqs * num_kv_heads)
     else:
-        part_out = part_lse = counters = out  # unused: DIRECT stores straight into out
+        part_out = part_lse = out  # unused: DIRECT stores straight into out
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, counters,
-        cu_seqlens_q, seq_lens, block_tables,
+        q, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, min_partition_len, num_heads, num_splits,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=next_power_of_2(num_splits),
-        DIRECT=num_splits == 1,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=num_splits == 1,
         num_warps=num_warps, num_stages=num_stages, **launch_pdl,
     )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, cu_seqlens_q, seq_lens, out.stride(0), out.stride(1),
+            min_partition_len, num_heads, num_splits, block_n,
+            BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4, **launch_pdl,
+        )  # fmt: skip
     return out
