@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from kiln.kernels.argmax import argmax_rows
 from kiln.layers.attention import AttentionMetadata
 from kiln.models.llama import LlamaForCausalLM
 
@@ -90,7 +91,7 @@ class StepGraphs:
         if kind == "prefill":
             hidden = hidden.index_select(0, self.last_index)
         logits = self.model.compute_logits(hidden)
-        return logits, logits.argmax(dim=-1)
+        return logits, argmax_rows(logits)
 
     @torch.inference_mode()
     def capture(self) -> float:

@@ -638,13 +638,14 @@ def _gemv_config(m: int, n: int, k: int, bits: int) -> GemvConfig | None:
         # batch 1, from the sweep with PDL and the pipelined K loop
         # (results/h100/quant_decode1_sweep.txt): 8-bit codes stream best 4 rows a program at
         # every shape but qkv and the 14336-wide gate (within 1.5 us there), the LM head
-        # included (128256 x 4096: 167 us against 176); int4 keeps 8 rows, and 16 where K is
-        # long (down_proj, 4096 x 14336: 14.4 us against 16.5)
+        # included (128256 x 4096: 167 us against 176); int4 keeps 8 rows, 16 where K is long
+        # (down_proj, 4096 x 14336: 14.4 us against 16.5), and at qkv's width two pipelined
+        # 256-word steps over K (6144 x 4096: 7.5 us against 8.1-8.2 in both sweeps)
         if bits == 8:
             return GemvConfig(1, 4, 512)
-        if n >= 65536:
+        if n >= 65536 or k >= 8192:
             return GemvConfig(1, 16, 512, 1)
-        return GemvConfig(1, 16, 512, 1) if k >= 8192 else GemvConfig(1, 8, 512)
+        return GemvConfig(1, 8, 256) if 4096 < n <= 8192 else GemvConfig(1, 8, 512)
     if m <= GEMV_FMA_MAX_M:
         return GemvConfig(1, 16, 512)
     # the tensor-core word kernel (GemvConfig(16, 64, 32, mma=True)) beat the tile kernel for int4
@@ -673,6 +674,15 @@ def _words(qweight: torch.Tensor, bits: int) -> torch.Tensor | None:
     return qweight.view(torch.int32) if qweight.stride(0) == qweight.shape[1] else None
 
 
+def _output(m: int, n: int, device: torch.device, atomic: bool,
+            dtype: torch.dtype) -> torch.Tensor:
+    """The [M, N] output of a launch: split-K partial sums are added atomically into a zeroed
+    float32 buffer (cast to ``dtype`` after), others store straight into ``dtype``."""
+    if atomic:
+        return torch.zeros(m, n, device=device, dtype=torch.float32)
+    return torch.empty(m, n, device=device, dtype=dtype)
+
+
 def _gemv_launch(
     x: torch.Tensor,
     words: torch.Tensor,
@@ -696,9 +706,7 @@ def _gemv_launch(
     split = _gemv_split(cfg, n, kw, block_kw, x.device)
     kw_per_split = -(-kw // (split * block_kw)) * block_kw
     atomic = split > 1
-    out = (torch.zeros if atomic else torch.empty)(
-        m, n, device=x.device, dtype=torch.float32 if atomic else out_dtype
-    )
+    out = _output(m, n, x.device, atomic, out_dtype)
     kernel = _wq_gemv_mma_kernel if cfg.mma else _wq_gemv_kernel
     block_m = max(cfg.block_m, 16) if cfg.mma else 1  # FMA kernel: one row of x per program
     # rows of x fastest: the programs that share a weight tile run together (L2 hits)
@@ -772,8 +780,9 @@ def wint_gemm_triton(
     perm: torch.Tensor | None = None,
     smooth: torch.Tensor | None = None,
     config: GemmConfig | GemvConfig | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Fused path: x [M, K] (contiguous rows) -> [M, N] in x.dtype.
+    """Fused path: x [M, K] (contiguous rows) -> [M, N] in ``out_dtype`` (x.dtype by default).
 
     M <= SMALL_M (or a GemvConfig): the word-streaming kernels; else (or a GemmConfig) the
     tensor-core tile kernel.
@@ -785,14 +794,15 @@ def wint_gemm_triton(
     assert qweight.shape == (n, k // 8 if bits == 4 else k), f"qweight {tuple(qweight.shape)}"
     assert scales.shape[1] == -(-k // group), f"scales {tuple(scales.shape)} for group {group}"
     if m == 0:
-        return torch.empty(0, n, device=x.device, dtype=x.dtype)
+        return torch.empty(0, n, device=x.device, dtype=out_dtype or x.dtype)
     words = _words(qweight, bits)
     w_fp8 = qweight.dtype == FP8_DTYPE
     gemv_ok = words is not None and (group >= k or group % (128 // bits) == 0)
     if config is None and m <= SMALL_M and gemv_ok:
         config = _gemv_config(m, n, k, bits)
     if isinstance(config, GemvConfig) and gemv_ok:
-        return _gemv_launch(x, words, scales, zeros, bits, group, perm, smooth, w_fp8, config)
+        return _gemv_launch(x, words, scales, zeros, bits, group, perm, smooth, w_fp8, config,
+                            out_dtype)
     cfg = config if isinstance(config, GemmConfig) else _default_config(m, n, k, bits, x.device)
     block_k = min(cfg.block_k, next_power_of_2(k))
     if group >= k:  # per channel: every tile lies in group 0
@@ -803,9 +813,8 @@ def wint_gemm_triton(
     assert block_k >= 8 and block_k % 8 == 0
     k_per_split = -(-k // (cfg.split_k * block_k)) * block_k
     atomic = cfg.split_k > 1
-    out = (torch.zeros if atomic else torch.empty)(
-        m, n, device=x.device, dtype=torch.float32 if atomic else x.dtype
-    )
+    out_dtype = out_dtype or x.dtype
+    out = _output(m, n, x.device, atomic, out_dtype)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     _wint_gemm_kernel[grid](
         x, qweight, scales, zeros if zeros is not None else scales, perm if perm is not None
@@ -818,7 +827,7 @@ def wint_gemm_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(qweight, zeros, perm, smooth),
         **pdl(x.device),
     )  # fmt: skip
-    return out.to(x.dtype) if atomic else out
+    return out.to(out_dtype) if atomic else out
 
 
 def wint_dequant_triton(
@@ -928,11 +937,15 @@ def wint_linear(
     perm: torch.Tensor | None = None,
     smooth: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """y = x W^T + b for a weight-only quantized W; x [..., K] -> [..., N] in x.dtype."""
+    """y = x W^T + b for a weight-only quantized W; x [..., K] -> [..., N] in ``out_dtype``
+    (x.dtype by default; float32 logits come from the float32 accumulator, unrounded)."""
     if not use_triton(x, qweight, scales):
-        return wint_linear_ref(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias)
-    return wint_linear_triton(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias)
+        out = wint_linear_ref(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias)
+        return out if out_dtype is None else out.to(out_dtype)
+    return wint_linear_triton(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias,
+                              out_dtype)
 
 
 def wint_linear_triton(
@@ -945,16 +958,32 @@ def wint_linear_triton(
     perm: torch.Tensor | None = None,
     smooth: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``wint_linear`` without the device check: the Triton paths, picked by the rows of x."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1 or x2.stride(0) != x2.shape[1]:
         x2 = x2.contiguous()
     if x2.shape[0] <= FUSED_MAX_M[bits]:
-        out = wint_gemm_triton(x2, qweight, scales, zeros, bits, group_size, perm, smooth)
+        out = wint_gemm_triton(x2, qweight, scales, zeros, bits, group_size, perm, smooth,
+                               out_dtype=out_dtype)
         if bias is not None:
             out += bias
     else:
         w = wint_dequant_triton(qweight, scales, zeros, bits, group_size, x.dtype, perm, smooth)
-        out = F.linear(x2, w, bias)
+        out = linear(x2, w, bias, out_dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear, with a float32 ``out_dtype`` taken from cuBLAS' float32 accumulator on CUDA
+    (rounding to x.dtype first would turn near-tie logits into ties)."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    if not x.is_cuda:
+        return F.linear(x, weight, bias).to(out_dtype)
+    out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype)
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], -1)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers.linear import DenseLinearMethod, Linear
+from kiln.layers.linear import Linear
 from kiln.parallel import SINGLE, TPContext
 
 
@@ -71,12 +71,12 @@ class LMHead(Linear):
         load_vocab_rows(self.weight.data, loaded, self.vocab_size, self.vocab_start)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> logits [..., vocab]. A dense 16-bit head on CUDA writes float32
-        straight from the GEMM: bf16 logits are 1/16 apart at |logit| 8..16, so rounding them
-        makes near-ties exact ties, and greedy picks then flip between kernels that round the
-        hidden state differently. Other formats return their own dtype."""
-        if (isinstance(self.method, DenseLinearMethod) and hidden.is_cuda
-                and hidden.dtype in (torch.float16, torch.bfloat16)):
+        """[..., hidden] -> logits [..., vocab]. A 16-bit model on CUDA gets float32 logits
+        straight from the GEMM's accumulator, whatever the head's format: bf16 logits are 1/16
+        apart at |logit| 8..16, so rounding them makes near-ties exact ties, and greedy picks
+        then flip between kernels that round the hidden state differently (it also saves the
+        cast kernel after the head)."""
+        if hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16):
             local = self.method.apply(self, hidden, out_dtype=torch.float32)
         else:
             local = super().forward(hidden)

@@ -11,19 +11,22 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kiln.kernels.quant_gemm import dense_gemv, dense_gemv_applies
+from kiln.kernels.quant_gemm import dense_gemv, dense_gemv_applies, linear
 from kiln.parallel import SINGLE, TPContext
 
 
 class LinearMethod(Protocol):
-    """How a Linear stores its weight and runs. ``layer.weight`` is dense [out, in] at load."""
+    """How a Linear stores its weight and runs. ``layer.weight`` is dense [out, in] at load.
+
+    ``apply``'s ``out_dtype`` (None: x's) is how the LM head asks for float32 logits straight
+    from the accumulator."""
 
     def process_weights_after_loading(self, layer: Linear) -> None: ...
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+    def apply(self, layer: Linear, x: torch.Tensor,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
 
 class DenseLinearMethod:
@@ -32,15 +35,9 @@ class DenseLinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``out_dtype`` float32: logits straight from the GEMM's float32 accumulator (CUDA)."""
         if dense_gemv_applies(x, layer.weight):  # a decode row: the streaming GEMV
             return dense_gemv(x, layer.weight, layer.bias, out_dtype)
-        if out_dtype is None or out_dtype == x.dtype:
-            return F.linear(x, layer.weight, layer.bias)
-        flat = torch.mm(x.reshape(-1, x.shape[-1]), layer.weight.t(), out_dtype=out_dtype)
-        if layer.bias is not None:
-            flat += layer.bias
-        return flat.reshape(*x.shape[:-1], -1)
+        return linear(x, layer.weight, layer.bias, out_dtype)
 
 
 class Linear(nn.Module):

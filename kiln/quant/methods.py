@@ -109,9 +109,10 @@ class WeightOnlyMethod:
         return wint_dequant_ref(layer.qweight, layer.scales, layer.zeros, self.bits,
                                 self.group_size, dtype, layer.perm, layer.smooth)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return wint_linear(x, layer.qweight, layer.scales, layer.zeros, self.bits,
-                           self.group_size, layer.perm, layer.smooth, layer.bias)
+                           self.group_size, layer.perm, layer.smooth, layer.bias, out_dtype)
 
 
 class W8A8Method:
@@ -173,12 +174,15 @@ class W8A8Method:
         w = layer.qweight.float() * layer.w_scales[:, None]
         return (w if layer.smooth is None else w * layer.smooth[None, :]).to(dtype)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if (self.kind == "fp8" and x.shape[:-1].numel() <= GEMV_FMA_MAX_M
                 and use_triton(x, layer.qweight)):
-            return self.apply_weight_only(layer, x)
-        return w8a8_linear(x, layer.qweight, layer.w_scales, self.kind, layer.smooth,
-                           layer.act_scale, layer.bias)
+            out = self.apply_weight_only(layer, x)
+        else:
+            out = w8a8_linear(x, layer.qweight, layer.w_scales, self.kind, layer.smooth,
+                              layer.act_scale, layer.bias)
+        return out if out_dtype is None else out.to(out_dtype)
 
     def apply_weight_only(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """FP8 weights through the Triton weight-only GEMM, x unquantized (the small-M path)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kiln.kernels.argmax import argmax_rows
 from kiln.sampling.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -293,7 +294,7 @@ class Sampler:
             flat = meta.min_tokens_rows * logits.shape[1] + meta.min_tokens_ids
             logits.view(-1).index_fill_(0, flat, float("-inf"))
 
-        greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
+        greedy_ids = None if meta.all_random else argmax_rows(logits)
         if meta.all_greedy:
             token_ids = greedy_ids
         else:

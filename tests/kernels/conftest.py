@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
         "kiln.kernels._triton",
         "kiln.kernels.rms_norm",
         "kiln.kernels.activation",
+        "kiln.kernels.argmax",
         "kiln.kernels.rotary",
         "kiln.kernels.kv_cache",
         "kiln.kernels.attention_prefill",
