@@ -1,0 +1,35 @@
+"""Device time of one captured decode step, apart from the host: replays the batch-size-B decode
+CUDA graph back to back (inputs as left by the warm-up) and times the replays with CUDA events.
+Set next to `kiln bench latency`'s inter-token latency it says whether a step is bound by the GPU
+or by the engine's host loop. Llama-3.1-8B shape, dummy weights. On the GPU machine:
+
+    PYTHONPATH=. python3 benchmarks/decode_step.py [--quantization int4] [--batch-size 1]
+"""
+
+import argparse
+
+import torch
+
+from kiln.engine.llm_engine import LLMEngine
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--quantization", default=None)
+parser.add_argument("--batch-size", type=int, default=1)
+parser.add_argument("--replays", type=int, default=200)
+args = parser.parse_args()
+
+engine = LLMEngine.from_kwargs("benchmarks/workloads/llama-3.1-8b", load_format="dummy",
+                               max_model_len=4096, quantization=args.quantization)
+graphs = engine.runner.graphs
+graph = graphs.graphs[("decode", next(s for s in graphs.batch_sizes if s >= args.batch_size))]
+for _ in range(10):
+    graph.replay()
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(args.replays):
+    graph.replay()
+end.record()
+torch.cuda.synchronize()
+ms = start.elapsed_time(end) / args.replays
+print(f"decode step, batch {args.batch_size}, {args.quantization or 'bf16'}: {ms:.3f} ms of "
+      f"device time per step ({1e3 / ms:.1f} steps/s) over {args.replays} back-to-back replays")
