@@ -1,4 +1,5 @@
-"""Weight-only quantized GEMM with dequantization inside the kernel (W4A16, W8A16, FP8-weight).
+"""Weight-only quantized GEMM with dequantization inside the kernel (W4A16, W8A16, FP8-weight),
+and the batch-1 GEMV for dense bf16 weights (``dense_gemv``: bf16 as 16-bit codes, no scale).
 
     W[n, k] = (u[n, k] - z[n, k // G]) * s[n, k // G]        (FP8 weights: W = f8[n, k] * s[n])
     y[m, n] = sum_k xs[m, k] * W[n, k] + b[n],   xs[m, k] = x[m, perm[k]] * smooth[k]
