@@ -189,38 +189,10 @@ def _decode(words, j: tl.constexpr, BITS: tl.constexpr, W_FP8: tl.constexpr, one
 
 
 @triton.jit
-def _decode_fast4(words, j: tl.constexpr, one):
-    """int4 code j (bits 4j .. 4j + 3 of its word) as f = 1 + u 2^-11 (moved to mantissa bits
-    12-15) or 1 + u 2^-7 (bits 16-19), and the factor (1 or 1/16) that brings x to the common
-    unit 2^-11. Codes 0, 3, 4 and 7 need one shift each at most and 1-2, 5-6 share one, where
-    _decode shifts every code: 4 integer instructions fewer per 8 codes, the int4 GEMV being
-    bound by them. The price is precision: f carries u 11 (7) bits below its leading 1, so a tile's
-    sum cancels about 11 bits; used for 16-bit activations only."""
-    if j == 0:
-        t, mask, unit = words << 12, 0xF000, 1.0
-    elif j == 1:
-        t, mask, unit = words << 8, 0xF000, 1.0
-    elif j == 2:
-        t, mask, unit = words << 8, 0xF0000, 0.0625
-    elif j == 3:
-        t, mask, unit = words, 0xF000, 1.0
-    elif j == 4:
-        t, mask, unit = words, 0xF0000, 0.0625
-    elif j == 5:
-        t, mask, unit = words >> 8, 0xF000, 1.0
-    elif j == 6:
-        t, mask, unit = words >> 8, 0xF0000, 0.0625
-    else:
-        t, mask, unit = words >> 16, 0xF000, 1.0
-    return ((t & mask) | one).to(tl.float32, bitcast=True), unit
-
-
-@triton.jit
-def _fma_code(one, p, xs, xsum, words, x_row, xj, perm_ptr, smooth_ptr, cols, c_mask,
-              j: tl.constexpr, BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_PERM: tl.constexpr,
-              HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr, FAST4: tl.constexpr):  # fmt: skip
-    """p += code j of ``words`` * xs[PER_WORD cols + j]; xs accumulates those inputs (FAST4:
-    scaled to the code's unit, and xsum the plain inputs, for the zero point)."""
+def _fma_code(one, p, xs, words, x_row, xj, perm_ptr, smooth_ptr, cols, c_mask, j: tl.constexpr,
+              BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_PERM: tl.constexpr,
+              HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """p += code j of ``words`` * xs[PER_WORD cols + j]; xs accumulates those inputs."""
     k = cols * (32 // BITS) + j
     if HAS_PERM:  # GPTQ act-order: gather x
         if EVEN_K:
@@ -235,17 +207,13 @@ def _fma_code(one, p, xs, xsum, words, x_row, xj, perm_ptr, smooth_ptr, cols, c_
             sm = tl.load(smooth_ptr + k, mask=c_mask, other=0.0).to(tl.float32)
         xj = (xj.to(tl.float32) * sm).to(x_row.dtype.element_ty)
     x = xj.to(tl.float32)
-    if FAST4:
-        f, unit = _decode_fast4(words, j, one)
-        xu = x * unit  # exact: a power of two
-        return p + f * xu[None, :], xs + xu, xsum + x
-    return p + _decode(words, j, BITS, W_FP8, one) * x[None, :], xs + x, xsum
+    return p + _decode(words, j, BITS, W_FP8, one) * x[None, :], xs + x
 
 
 @triton.jit
-def _fma_word_plane(one, p, xs, xsum, words, x_row, perm_ptr, smooth_ptr, cols, c_mask,
+def _fma_word_plane(one, p, xs, words, x_row, perm_ptr, smooth_ptr, cols, c_mask,
                     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_PERM: tl.constexpr,
-                    HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr, FAST4: tl.constexpr,
+                    HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_C: tl.constexpr):  # fmt: skip
     """All codes of a plane of words [BLOCK_N, BLOCK_C] (word index ``cols``) against x."""
     if HAS_PERM:  # gathered per code in _fma_code
@@ -273,33 +241,25 @@ def _fma_word_plane(one, p, xs, xsum, words, x_row, perm_ptr, smooth_ptr, cols, 
         xw = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=c_mask[:, None], other=0.0)
         x0, x1 = tl.split(xw)
         x2, x3, x4, x5, x6, x7 = x0, x1, x0, x1, x0, x1  # unused
-    p, xs, xsum = _fma_code(one, p, xs, xsum, words, x_row, x0, perm_ptr, smooth_ptr, cols,
-                            c_mask, 0, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                            FAST4)  # fmt: skip
-    p, xs, xsum = _fma_code(one, p, xs, xsum, words, x_row, x1, perm_ptr, smooth_ptr, cols,
-                            c_mask, 1, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                            FAST4)  # fmt: skip
+    p, xs = _fma_code(one, p, xs, words, x_row, x0, perm_ptr, smooth_ptr, cols, c_mask, 0,
+                      BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+    p, xs = _fma_code(one, p, xs, words, x_row, x1, perm_ptr, smooth_ptr, cols, c_mask, 1,
+                      BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
     if BITS <= 8:
-        p, xs, xsum = _fma_code(one, p, xs, xsum, words, x_row, x2, perm_ptr, smooth_ptr, cols,
-                                c_mask, 2, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                                FAST4)  # fmt: skip
-        p, xs, xsum = _fma_code(one, p, xs, xsum, words, x_row, x3, perm_ptr, smooth_ptr, cols,
-                                c_mask, 3, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                                FAST4)  # fmt: skip
+        p, xs = _fma_code(one, p, xs, words, x_row, x2, perm_ptr, smooth_ptr, cols, c_mask, 2,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+        p, xs = _fma_code(one, p, xs, words, x_row, x3, perm_ptr, smooth_ptr, cols, c_mask, 3,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
     if BITS == 4:
-        p, xs, xsum = _fma_code(one, p, xs, xsum, words, x_row, x4, perm_ptr, smooth_ptr, cols,
-                                c_mask, 4, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                                FAST4)  # fmt: skip
-        p, xs, xsum = _fma_code(one, p, xs, xsum, words, x_row, x5, perm_ptr, smooth_ptr, cols,
-                                c_mask, 5, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                                FAST4)  # fmt: skip
-        p, xs, xsum = _fma_code(one, p, xs, xsum, words, x_row, x6, perm_ptr, smooth_ptr, cols,
-                                c_mask, 6, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                                FAST4)  # fmt: skip
-        p, xs, xsum = _fma_code(one, p, xs, xsum, words, x_row, x7, perm_ptr, smooth_ptr, cols,
-                                c_mask, 7, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                                FAST4)  # fmt: skip
-    return p, xs, xsum
+        p, xs = _fma_code(one, p, xs, words, x_row, x4, perm_ptr, smooth_ptr, cols, c_mask, 4,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+        p, xs = _fma_code(one, p, xs, words, x_row, x5, perm_ptr, smooth_ptr, cols, c_mask, 5,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+        p, xs = _fma_code(one, p, xs, words, x_row, x6, perm_ptr, smooth_ptr, cols, c_mask, 6,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+        p, xs = _fma_code(one, p, xs, words, x_row, x7, perm_ptr, smooth_ptr, cols, c_mask, 7,
+                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+    return p, xs
 
 
 @triton.jit
@@ -321,14 +281,10 @@ def _wq_gemv_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
-    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, FAST4: tl.constexpr,
+    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """CUDA-core GEMV: y[m, n] for the row m = program_id(0) of x, FMAs in float32.
-
-    Integer codes: sum_k (u_k - z) x_k = CODE_SCALE (sum_k f_k x_k - sum_k x_k) - z sum_k x_k,
-    with f = 1 + u / CODE_SCALE; FAST4 (int4, 16-bit x, no act-order gather) decodes with
-    _decode_fast4, CODE_SCALE = 2^11 and x scaled per code, so the plain sum is kept apart.
 
     WPG: words per scale group (0: one group per row, applied after the K loop). w_ptr is the
     packed weight viewed as int32 [N, KW] (stride_wn in words). Rows of x are programs (their
@@ -350,8 +306,7 @@ def _wq_gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + pid_m * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
-    xacc = tl.zeros([BLOCK_C], tl.float32)  # sum of x, in the codes' unit
-    zacc = tl.zeros([BLOCK_C], tl.float32)  # FAST4: the plain sum of x, for the zero point
+    xacc = tl.zeros([BLOCK_C], tl.float32)
     # the bits of 1.0f as a run-time value (KW > 0): as an immediate, ptxas re-materializes it
     # before every decode's and/or (about 0.6 more instructions per code)
     one = (KW >> 31) + 0x3F800000
@@ -369,45 +324,38 @@ def _wq_gemv_kernel(
         c0 = kw0 + offs_c
         p = tl.zeros([BLOCK_N, BLOCK_C], tl.float32) if WPG > 0 else acc
         xs = tl.zeros([BLOCK_C], tl.float32)
-        xsum = tl.zeros([BLOCK_C], tl.float32)
-        p, xs, xsum = _fma_word_plane(one, p, xs, xsum, w0, x_row, perm_ptr, smooth_ptr,
-                                      c0, c0 < KW, BITS, W_FP8, HAS_PERM,
-                                      HAS_SMOOTH, EVEN_K, FAST4, BLOCK_C)  # fmt: skip
-        p, xs, xsum = _fma_word_plane(one, p, xs, xsum, w1, x_row, perm_ptr, smooth_ptr,
-                                      c0 + 1, c0 + 1 < KW, BITS, W_FP8, HAS_PERM,
-                                      HAS_SMOOTH, EVEN_K, FAST4, BLOCK_C)  # fmt: skip
-        p, xs, xsum = _fma_word_plane(one, p, xs, xsum, w2, x_row, perm_ptr, smooth_ptr,
-                                      c0 + 2, c0 + 2 < KW, BITS, W_FP8, HAS_PERM,
-                                      HAS_SMOOTH, EVEN_K, FAST4, BLOCK_C)  # fmt: skip
-        p, xs, xsum = _fma_word_plane(one, p, xs, xsum, w3, x_row, perm_ptr, smooth_ptr,
-                                      c0 + 3, c0 + 3 < KW, BITS, W_FP8, HAS_PERM,
-                                      HAS_SMOOTH, EVEN_K, FAST4, BLOCK_C)  # fmt: skip
-        xz = xsum if FAST4 else xs  # the inputs the zero point multiplies
-        if WPG > 0:  # scale this tile's partial sums: acc += s (CODE_SCALE (p - xs) - z xz)
+        p, xs = _fma_word_plane(one, p, xs, w0, x_row, perm_ptr, smooth_ptr, c0, c0 < KW,
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
+        p, xs = _fma_word_plane(one, p, xs, w1, x_row, perm_ptr, smooth_ptr, c0 + 1, c0 + 1 < KW,
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
+        p, xs = _fma_word_plane(one, p, xs, w2, x_row, perm_ptr, smooth_ptr, c0 + 2, c0 + 2 < KW,
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
+        p, xs = _fma_word_plane(one, p, xs, w3, x_row, perm_ptr, smooth_ptr, c0 + 3, c0 + 3 < KW,
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
+        if WPG > 0:  # scale this tile's partial sums: acc += s (2^BITS p - (2^BITS + z) xs)
             g = tl.minimum(c0, KW - 1) // WPG  # masked columns have p = xs = 0
             s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :])
             if HAS_ZEROS:
                 z = tl.load(z_ptr + rows[:, None] * stride_zn + g[None, :])
-                zx = z.to(tl.float32) * xz[None, :]
+                zx = (z.to(tl.float32) + CODE_SCALE) * xs[None, :]
             else:
-                zx = (ZERO_SYM * xz)[None, :]
-            acc += (CODE_SCALE * (p - xs[None, :]) - zx) * s.to(tl.float32)
+                zx = ((CODE_SCALE + ZERO_SYM) * xs)[None, :]
+            acc += (p * CODE_SCALE - zx) * s.to(tl.float32)
         else:
             acc = p
             xacc += xs
-            zacc += xz
     if WPG > 0 or BITS == 16:  # group scales already applied; 16-bit: no scale
         y = tl.sum(acc, axis=1)
     elif W_FP8:
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows * stride_sn).to(tl.float32)
     else:
         s = tl.load(s_ptr + rows * stride_sn).to(tl.float32)
-        if HAS_ZEROS:  # noqa: SIM108 (a constexpr branch)
+        if HAS_ZEROS:
             zc = tl.load(z_ptr + rows * stride_zn).to(tl.float32)
+            zc = zc + CODE_SCALE
         else:
-            zc = ZERO_SYM
-        y = s * (CODE_SCALE * (tl.sum(acc, axis=1) - tl.sum(xacc, axis=0))
-                 - zc * tl.sum(zacc, axis=0))
+            zc = CODE_SCALE + ZERO_SYM
+        y = s * (tl.sum(acc, axis=1) * CODE_SCALE - zc * tl.sum(xacc, axis=0))
     out_ptrs = out_ptr + pid_m * stride_om + offs_n
     if ATOMIC:
         tl.atomic_add(out_ptrs, y, mask=n_mask)
@@ -761,9 +709,6 @@ def _gemv_launch(
     atomic = split > 1
     out = _output(m, n, x.device, atomic, out_dtype)
     kernel = _wq_gemv_mma_kernel if cfg.mma else _wq_gemv_kernel
-    # int4 codes decoded with fewer shifts, at ~2^-13 relative precision: 16-bit x only
-    fast4 = (bits == 4 and not cfg.mma and perm is None
-             and x.dtype in (torch.float16, torch.bfloat16))
     block_m = max(cfg.block_m, 16) if cfg.mma else 1  # FMA kernel: one row of x per program
     # rows of x fastest: the programs that share a weight tile run together (L2 hits)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), triton.cdiv(kw, kw_per_split))
@@ -774,10 +719,10 @@ def _gemv_launch(
         x.stride(0), words.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, out.stride(0),
         BITS=bits, W_FP8=w_fp8, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None,
-        HAS_SMOOTH=smooth is not None, WPG=wpg, CODE_SCALE=2048.0 if fast4 else float(2**bits),
+        HAS_SMOOTH=smooth is not None, WPG=wpg, CODE_SCALE=float(2**bits),
         ZERO_SYM=float(2 ** (bits - 1)),
         ATOMIC=atomic, EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
-        **({"NATURAL": cfg.natural} if cfg.mma else {"FAST4": fast4}),
+        **({"NATURAL": cfg.natural} if cfg.mma else {}),
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip

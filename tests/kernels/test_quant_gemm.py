@@ -211,27 +211,6 @@ def test_gpu_w8a8(kind, m):
     assert_rel_close(out.cpu(), ref, 1e-2, f"w8a8 {kind} m={m}")
 
 
-@needs_triton
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] == 4])
-@pytest.mark.parametrize(
-    "config", [None, qg.GemvConfig(1, 8, 16), qg.GemvConfig(1, 4, 8, split_k=3)],
-    ids=["default", "k-tiles", "split-k"])
-def test_gemv_int4_fast_decode(case, config):
-    """int4 with 16-bit x and no act-order gather takes _decode_fast4 (codes at mantissa bits
-    12 or 16, x scaled per code, the zero point on the plain sum): AWQ's smooth on, fp16 (the
-    interpreter's bf16 is broken), 1 and 2 rows of x."""
-    bits, group_size, symmetric, _ = case
-    gen = torch.Generator().manual_seed(group_size + 11)
-    qweight, scales, zeros, w64 = make_weight(24, 256, bits, group_size, symmetric, gen=gen)
-    smooth = torch.rand(256, generator=gen) + 0.5
-    for m in (1, 2):
-        x = torch.randn(m, 256, generator=gen).half()
-        out = qg.wint_gemm_triton(x, qweight, scales.half(), zeros, bits, group_size,
-                                  smooth=smooth, config=config)
-        assert_rel_close(out, naive(x, w64, smooth=smooth), TOL[torch.float16],
-                         f"fast int4 {case} {config} m={m}")
-
-
 # ---- dense bf16 weights through the word-streaming GEMV ("16-bit codes") ----------------------
 
 
