@@ -48,7 +48,7 @@ class GemmConfig:
     block_m: int  # 1: GEMV (reduce with CUDA cores); >= 16: tensor-core tl.dot
     block_n: int
     block_k: int
-    split_k: int = 1  # > 1: partial sums added atomically into a float32 output
+    split_k: int = 1  # > 1: float32 partial sums per split, added after (see _output)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -74,12 +74,20 @@ class GemvConfig:
 
 
 @triton.jit
+def _split_slice(out_ptr, pid_k, M, N):
+    """Split-K: split pid_k's [M, N] slice of the float32 [split, M, N] output (the slice for
+    no split). Slices are summed afterwards in a fixed order, unlike atomic adds, so a result
+    never depends on which split finished first."""
+    return out_ptr + pid_k.to(tl.int64) * M * N
+
+
+@triton.jit
 def _wint_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, out_ptr,
     M, N, K, k_per_split, group_size,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    HAS_SMOOTH: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, ATOMIC: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL)
@@ -137,12 +145,8 @@ def _wint_gemm_kernel(
             acc += tl.sum(w[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         else:
             acc += tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)))
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    out_ptrs = _split_slice(out_ptr, pid_k, M, N) + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 # ---- M <= SMALL_M: weight streaming over int32 words (the decode path) --------------------------
@@ -281,7 +285,7 @@ def _wq_gemv_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
-    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
+    ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """CUDA-core GEMV: y[m, n] for the row m = program_id(0) of x, FMAs in float32.
@@ -356,11 +360,8 @@ def _wq_gemv_kernel(
         else:
             zc = CODE_SCALE + ZERO_SYM
         y = s * (tl.sum(acc, axis=1) * CODE_SCALE - zc * tl.sum(xacc, axis=0))
-    out_ptrs = out_ptr + pid_m * stride_om + offs_n
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, y, mask=n_mask)
-    else:
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    out_ptrs = _split_slice(out_ptr, pid_k, M, N) + pid_m * stride_om + offs_n
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -397,7 +398,7 @@ def _wq_gemv_mma_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
-    ZERO_SYM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, NATURAL: tl.constexpr,
+    ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr, NATURAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Tensor-core variant (swap AB): out^T[n, m] += W[n, k] x[m, k]^T.
@@ -479,12 +480,8 @@ def _wq_gemv_mma_kernel(
     if WPG == 0:
         s = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc * s[:, None]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    out_mask = n_mask[:, None] & m_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    out_ptrs = _split_slice(out_ptr, pid_k, M, N) + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
 @triton.jit
@@ -656,7 +653,7 @@ def _gemv_config(m: int, n: int, k: int, bits: int) -> GemvConfig | None:
 
 
 def _gemv_split(cfg: GemvConfig, n: int, kw: int, block_kw: int, device: torch.device) -> int:
-    """split_k 0: split K (float32 atomics, a zero fill and a cast) only while N alone leaves
+    """split_k 0: split K (float32 partials and a kernel to add them) only while N alone leaves
     SMs idle."""
     if cfg.split_k:
         return max(1, min(cfg.split_k, -(-kw // block_kw)))
@@ -675,13 +672,18 @@ def _words(qweight: torch.Tensor, bits: int) -> torch.Tensor | None:
     return qweight.view(torch.int32) if qweight.stride(0) == qweight.shape[1] else None
 
 
-def _output(m: int, n: int, device: torch.device, atomic: bool,
+def _output(m: int, n: int, device: torch.device, split: int,
             dtype: torch.dtype) -> torch.Tensor:
-    """The [M, N] output of a launch: split-K partial sums are added atomically into a zeroed
-    float32 buffer (cast to ``dtype`` after), others store straight into ``dtype``."""
-    if atomic:
-        return torch.zeros(m, n, device=device, dtype=torch.float32)
+    """The output of a launch: [M, N] in ``dtype``, or with split-K float32 [split, M, N], one
+    slice per split (``_reduce_splits`` adds them)."""
+    if split > 1:
+        return torch.empty(split, m, n, device=device, dtype=torch.float32)
     return torch.empty(m, n, device=device, dtype=dtype)
+
+
+def _reduce_splits(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[M, N] in ``dtype`` from ``_output``'s buffer: the split slices added in order."""
+    return out.sum(0).to(dtype) if out.dim() == 3 else out
 
 
 def _gemv_launch(
@@ -706,8 +708,7 @@ def _gemv_launch(
     assert wpg % 4 == 0, f"group {group}: the kernels need groups of whole 4-word vectors"
     split = _gemv_split(cfg, n, kw, block_kw, x.device)
     kw_per_split = -(-kw // (split * block_kw)) * block_kw
-    atomic = split > 1
-    out = _output(m, n, x.device, atomic, out_dtype)
+    out = _output(m, n, x.device, split, out_dtype)
     kernel = _wq_gemv_mma_kernel if cfg.mma else _wq_gemv_kernel
     block_m = max(cfg.block_m, 16) if cfg.mma else 1  # FMA kernel: one row of x per program
     # rows of x fastest: the programs that share a weight tile run together (L2 hits)
@@ -717,16 +718,16 @@ def _gemv_launch(
         else scales, smooth if smooth is not None else scales, out,
         m, n, kw, kw_per_split,
         x.stride(0), words.stride(0), scales.stride(0),
-        zeros.stride(0) if zeros is not None else 0, out.stride(0),
+        zeros.stride(0) if zeros is not None else 0, out.stride(-2),
         BITS=bits, W_FP8=w_fp8, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None,
         HAS_SMOOTH=smooth is not None, WPG=wpg, CODE_SCALE=float(2**bits),
         ZERO_SYM=float(2 ** (bits - 1)),
-        ATOMIC=atomic, EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
+        EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
         **({"NATURAL": cfg.natural} if cfg.mma else {}),
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
-    return out.to(out_dtype) if atomic else out
+    return _reduce_splits(out, out_dtype)
 
 
 def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -813,22 +814,21 @@ def wint_gemm_triton(
         groups_per_tile = max(block_k // group, 1)
     assert block_k >= 8 and block_k % 8 == 0
     k_per_split = -(-k // (cfg.split_k * block_k)) * block_k
-    atomic = cfg.split_k > 1
     out_dtype = out_dtype or x.dtype
-    out = _output(m, n, x.device, atomic, out_dtype)
+    out = _output(m, n, x.device, cfg.split_k, out_dtype)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     _wint_gemm_kernel[grid](
         x, qweight, scales, zeros if zeros is not None else scales, perm if perm is not None
         else scales, smooth if smooth is not None else scales, out,
         m, n, k, k_per_split, group,
         x.stride(0), qweight.stride(0), scales.stride(0),
-        zeros.stride(0) if zeros is not None else 0, out.stride(0),
-        BITS=bits, GROUPS_PER_TILE=groups_per_tile, ATOMIC=atomic,
+        zeros.stride(0) if zeros is not None else 0, out.stride(-2),
+        BITS=bits, GROUPS_PER_TILE=groups_per_tile,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(qweight, zeros, perm, smooth),
         **pdl(x.device),
     )  # fmt: skip
-    return out.to(out_dtype) if atomic else out
+    return _reduce_splits(out, out_dtype)
 
 
 def wint_dequant_triton(
