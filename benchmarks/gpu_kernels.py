@@ -42,6 +42,7 @@ if "kiln" not in sys.modules:
 
 from kiln.kernels._triton import num_sms
 from kiln.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kiln.kernels.argmax import argmax_rows_ref, argmax_rows_triton
 from kiln.kernels.attention import paged_attention_ref
 from kiln.kernels.attention_decode import (
     decode_launch_config,
@@ -131,6 +132,17 @@ def bench_silu_and_mul(num_tokens=8192, inter=14336):
     record(
         "silu_and_mul", [num_tokens, 2 * inter], ms, gbytes=gbytes, err=err, baseline_ms=eager_ms
     )
+
+
+def bench_argmax(rows=1, vocab=128256):
+    """Greedy's argmax over float32 logits; exact: the error is the share of rows whose index
+    differs from torch.argmax (the reference, and the timed baseline)."""
+    logits = torch.randn(rows, vocab, device=DEVICE) * 4
+    err = (argmax_rows_triton(logits) != argmax_rows_ref(logits)).float().mean().item()
+    ms = bench_ms(lambda: argmax_rows_triton(logits))
+    torch_ms = bench_ms(lambda: argmax_rows_ref(logits))
+    record("argmax", [rows, vocab], ms, gbytes=logits.numel() * 4 / 1e9, err=err,
+           baseline_ms=torch_ms)
 
 
 def bench_rotary(num_tokens=8192, num_heads=32, num_kv_heads=8, head_dim=128):
@@ -450,7 +462,7 @@ def main() -> None:
     torch.manual_seed(int(datetime.datetime.now().timestamp()))  # fresh inputs every run
     steps = [
         bench_rms_norm, bench_silu_and_mul, bench_rotary, bench_rotary_kv_cache,
-        bench_prefill, lambda: bench_prefill(page=64),
+        bench_argmax, lambda: bench_argmax(64), bench_prefill, lambda: bench_prefill(page=64),
         lambda: bench_prefill(head_dim=64, num_heads=32, num_kv_heads=32),
         lambda: bench_decode(64, 1024), lambda: bench_decode(8, 16384),
         lambda: bench_decode(64, 1024, page=64, sweep=False),
@@ -459,6 +471,7 @@ def main() -> None:
     if SMOKE:
         steps = [
             lambda: bench_rms_norm(5, 64), lambda: bench_silu_and_mul(5, 64),
+            lambda: bench_argmax(3, 5000),
             lambda: bench_rotary(5, 4, 2, 64), lambda: bench_rotary_kv_cache(5, 4, 2, 64),
             lambda: bench_prefill(2, 40, 4, 2, 64), lambda: bench_decode(3, 100, 4, 1, 64),
             lambda: bench_decode(3, 100, 4, 1, 64, page=64, sweep=False),

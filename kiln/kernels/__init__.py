@@ -6,6 +6,7 @@ reference (`*_ref`, the CPU path and the test oracle) and the wrapper that layer
 
 from kiln.kernels._triton import HAS_TRITON
 from kiln.kernels.activation import silu_and_mul, silu_and_mul_ref
+from kiln.kernels.argmax import argmax_rows, argmax_rows_ref
 from kiln.kernels.attention import paged_attention, paged_attention_ref
 from kiln.kernels.kv_cache import write_kv_cache_ref
 from kiln.kernels.rms_norm import rms_norm, rms_norm_ref
@@ -15,6 +16,8 @@ __all__ = [
     "HAS_TRITON",
     "apply_rotary",
     "apply_rotary_ref",
+    "argmax_rows",
+    "argmax_rows_ref",
     "paged_attention",
     "paged_attention_ref",
     "rms_norm",
