@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels._triton import (
-    HAS_TRITON,
     next_power_of_2,
     num_sms,
     pdl,
@@ -734,7 +733,7 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``dense_gemv`` runs x [M, K] @ weight^T: a CUDA bf16 weight (contiguous rows,
     K a multiple of 8, 16-byte aligned) and at most DENSE_GEMV_MAX_M rows of bf16 x."""
     k = weight.shape[-1]
-    return (HAS_TRITON and x.is_cuda and weight.is_cuda and weight.dtype == torch.bfloat16
+    return (use_triton(x, weight) and weight.dtype == torch.bfloat16
             and x.dtype == torch.bfloat16 and x.numel() <= DENSE_GEMV_MAX_M * k
             and weight.dim() == 2 and weight.stride() == (k, 1) and k % 8 == 0
             and weight.data_ptr() % 16 == 0)
