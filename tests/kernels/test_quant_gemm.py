@@ -237,9 +237,10 @@ def test_dense_gemv(m, n, k, config):
     assert_rel_close(out.double(), ref, 1e-5, f"dense_gemv m={m} {n}x{k} {config}")
 
 
-def test_dense_gemv_applies_only_to_decode_rows_of_cuda_bf16():
+def test_dense_gemv_does_not_apply_on_cpu():
+    """Off CUDA the dense path stays F.linear (the GPU test checks where it does apply)."""
     w = torch.randn(16, 64).bfloat16()
-    assert not qg.dense_gemv_applies(torch.randn(1, 64).bfloat16(), w)  # CPU: cuBLAS' job
+    assert not qg.dense_gemv_applies(torch.randn(1, 64).bfloat16(), w)
 
 
 @gpu
@@ -249,6 +250,7 @@ def test_gpu_dense_gemv(n, k):
     weight = torch.randn(n, k, generator=gen).bfloat16().cuda()
     x = torch.randn(1, k, generator=gen).bfloat16().cuda()
     assert qg.dense_gemv_applies(x, weight)
+    assert not qg.dense_gemv_applies(x.expand(2, k), weight)  # two rows: cuBLAS
     ref = x.double() @ weight.double().t()
     assert_rel_close(qg.dense_gemv(x, weight).double(), ref, 1e-2, f"bf16 {n}x{k}")
     logits = qg.dense_gemv(x, weight, out_dtype=torch.float32)
