@@ -15,6 +15,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA descriptors
 
     HAS_TRITON = True
 except ImportError:  # CPU-only install: the references do the work
@@ -30,9 +31,10 @@ except ImportError:  # CPU-only install: the references do the work
 
     triton = _TritonStub()  # type: ignore[assignment]
     tl = _LanguageStub()  # type: ignore[assignment]
+    TensorDescriptor = None  # type: ignore[assignment,misc]
 
-__all__ = ["HAS_TRITON", "next_power_of_2", "num_sms", "pdl", "tl", "triton", "use_triton",
-           "wait_for_inputs"]
+__all__ = ["HAS_TRITON", "TensorDescriptor", "next_power_of_2", "num_sms", "pdl", "tl", "triton",
+           "use_triton", "wait_for_inputs"]
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:

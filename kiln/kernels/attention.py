@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from kiln.kernels._triton import use_triton
 from kiln.kernels.attention_decode import paged_attention_decode_triton
-from kiln.kernels.attention_prefill import PREFILL_CONFIGS, paged_attention_prefill_triton
+from kiln.kernels.attention_prefill import HEAD_DIMS, paged_attention_prefill_triton
 
 _warned_head_dims: set[int] = set()
 
@@ -80,20 +80,26 @@ def paged_attention(
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention of q [T, H, D] over the paged caches -> out [T, H, D]."""
+    """Causal varlen attention of q [T, H, D] over the paged caches -> out [T, H, D].
+
+    k_new / v_new [T, H_kv, D] (optional) are this step's keys and values, rows aligned with q,
+    the same values the caches hold for the new tokens: the prefill kernel then reads them
+    directly (contiguous rows, TMA) rather than gathering them back from the pages."""
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, max_seqlen_k)
     head_dim = q.shape[-1]
     if use_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables):
-        if head_dim in PREFILL_CONFIGS:
+        if head_dim in HEAD_DIMS:
             if max_seqlen_q == 1:
                 return paged_attention_decode_triton(*args, scale)
-            return paged_attention_prefill_triton(*args, scale)
+            return paged_attention_prefill_triton(*args, scale, k_new, v_new)
         if head_dim not in _warned_head_dims:
             _warned_head_dims.add(head_dim)
             warnings.warn(
                 f"paged_attention: no Triton kernel for head_dim {head_dim} "
-                f"(have {sorted(PREFILL_CONFIGS)}); using the PyTorch reference",
+                f"(have {list(HEAD_DIMS)}); using the PyTorch reference",
                 stacklevel=2,
             )
     return paged_attention_ref(*args, scale)

@@ -7,9 +7,17 @@ seq_lens[b] positions) and query head h with kv head g = h // (num_heads // num_
 
 One program owns BLOCK_M query rows of one head and streams BLOCK_N keys at a time through an
 online softmax (running max m, running sum l, fp32 accumulator), in base 2 with scale * log2(e)
-folded into the logits. Keys are gathered row by row from the pages named in the block table.
-Key tiles that every row of the program may see skip the causal mask; only the tiles that touch
-the diagonal (or the end of the context) are masked.
+folded into the logits. Key tiles that every row of the program may see skip the causal mask;
+only the tiles that touch the diagonal (or the end of the context) are masked.
+
+Where the keys come from:
+- the cached context (ctx_len = seq_len - q_len keys, a prefix-cache hit or earlier chunks) is
+  gathered row by row from the pages named in the block table;
+- the chunk's own keys (the new tokens) are read from the paged cache too, unless the caller
+  passes them as k_new / v_new [T, H_kv, D] (rows aligned with q). Then they are loaded through
+  TMA tensor descriptors: contiguous rows, no page lookups and no per-element pointers, which
+  is what lets the tiles grow to 256 queries x 64 keys on an H100 (benchmarks/gpu_kernels.py
+  times both paths).
 """
 
 from __future__ import annotations
@@ -18,13 +26,30 @@ import math
 
 import torch
 
-from kiln.kernels._triton import pdl, tl, triton, wait_for_inputs
+from kiln.kernels._triton import TensorDescriptor, pdl, tl, triton, wait_for_inputs
 
 LOG2E = math.log2(math.e)  # exp(x) == exp2(x * LOG2E)
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, tuned on an H100 by
-# benchmarks/gpu_kernels.py
-PREFILL_CONFIGS = {64: (128, 64, 8, 3), 128: (128, 32, 4, 3)}
+HEAD_DIMS = (64, 128)  # head dims with a kernel; others run the reference
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, tuned on an H100 by
+# benchmarks/gpu_kernels.py (results: benchmarks/results/h100/kernels.txt)
+PAGED_CONFIGS = {64: (128, 64, 8, 3), 128: (128, 64, 4, 3)}  # every key from the pages
+NEW_KV_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 128, 8, 3)}  # the chunk's own from k_new / v_new
+# chunks of at most SHORT_MAX_Q queries: smaller query blocks, more programs (16 x 512, d128,
+# new K/V: 240 against 199 TFLOP/s with 128 x 128 tiles)
+SHORT_MAX_Q = 1024
+SHORT_CONFIG = (64, 64, 4, 3)
+FLOAT32_CONFIG = (64, 32, 4, 2)  # 4-byte elements: the 16-bit tiles would not fit shared memory
+
+
+def prefill_config(head_dim: int, max_seqlen_q: int, dtype: torch.dtype,
+                   new_kv: bool) -> tuple[int, int, int, int]:
+    """The launch config the engine uses for this problem."""
+    if dtype == torch.float32:
+        return FLOAT32_CONFIG
+    if max_seqlen_q <= SHORT_MAX_Q:
+        return SHORT_CONFIG
+    return (NEW_KV_CONFIGS if new_kv else PAGED_CONFIGS)[head_dim]
 
 
 @triton.jit
@@ -34,6 +59,17 @@ def _dot(a, b, acc):
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _online_softmax(qk, l_i, m_i, qk_scale):
+    """Fold a tile of raw logits qk [rows, keys] into the running max m_i and sum l_i (base 2).
+    Returns the tile's probabilities p, the factor alpha that rescales the accumulator, and
+    the new l_i, m_i. The scale is applied inside the exponent: one fused multiply-add a logit."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
@@ -68,30 +104,47 @@ def _attn_tile(
     if MASKED:
         keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         qk = tl.where(keep, qk, float("-inf"))
-    # the scale is applied inside the exponent: one fused multiply-add per logit
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, qk_scale)
     if MASKED:  # noqa: SIM108
         v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None]
-    acc = _dot(p.to(q.dtype), v.to(q.dtype), acc)
-    return acc, l_i, m_new
+    acc = _dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _new_kv_tile(
+    acc, l_i, m_i, q, offs_m, start_n, k_desc, v_desc, row0, kv_col, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One tile of the chunk's own keys, rows row0 + start_n... of k_new / v_new (query-local
+    key index start_n..., causal against query-local rows offs_m when MASKED)."""
+    k = k_desc.load([row0 + start_n, kv_col])  # [BLOCK_N, HEAD_DIM]
+    # V is requested before the softmax, not after it as in _attn_tile: 454 against 425 TFLOP/s
+    # (H100, 4 x 4096, d128)
+    v = v_desc.load([row0 + start_n, kv_col])
+    qk = _dot(q, k.T, None)
+    if MASKED:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        qk = tl.where(offs_n[None, :] <= offs_m[:, None], qk, float("-inf"))
+    p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, qk_scale)
+    acc = _dot(p.to(q.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_i
 
 
 # stride_bt is the block-table width, which changes from step to step: specializing on it (Triton
 # does for ints divisible by 16 or equal to 1) would compile a new variant mid-serving
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    q_desc, k_cache_ptr, v_cache_ptr, k_new_desc, v_new_desc, out_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     qk_scale,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr,
+    PAGED_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL)
     head = tl.program_id(0)
@@ -108,10 +161,10 @@ def _prefill_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     m_mask = offs_m < q_len
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None], other=0.0,
-    )  # fmt: skip
+    # through TMA, q stays in shared memory as the dot's operand: in registers, a 256-row tile
+    # would spill. Rows past the chunk belong to the next sequence (or read as zeros past the
+    # tensor): they are computed and never stored.
+    q = q_desc.load([q_start + m_block * BLOCK_M, head * HEAD_DIM])  # [BLOCK_M, HEAD_DIM]
     q_pos = first_pos + tl.arange(0, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -120,21 +173,39 @@ def _prefill_kernel(
     kv_head = head // GROUP
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
+    # the paged keys: the cached context only with NEW_KV, else every key up to the diagonal
+    if NEW_KV:
+        paged_end = seq_len - q_len
+        full_end = (paged_end // BLOCK_N) * BLOCK_N
+    else:
+        paged_end = tl.minimum(first_pos + BLOCK_M, seq_len)
+        full_end = (first_pos // BLOCK_N) * BLOCK_N
     # keys below full_end are visible to every row (and lie inside the context): no mask
-    full_end = (first_pos // BLOCK_N) * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
+    for start_n in tl.range(0, full_end, BLOCK_N, num_stages=PAGED_STAGES):
         acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len, bt_row, k_head, v_head,
+            acc, l_i, m_i, q, q_pos, start_n, paged_end, bt_row, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
             PAGE_SIZE, HEAD_DIM, BLOCK_N, False,
         )  # fmt: skip
-    end = tl.minimum(first_pos + BLOCK_M, seq_len)
-    for start_n in range(full_end, end, BLOCK_N):
+    for start_n in tl.range(full_end, paged_end, BLOCK_N, num_stages=PAGED_STAGES):
         acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len, bt_row, k_head, v_head,
+            acc, l_i, m_i, q, q_pos, start_n, paged_end, bt_row, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
             PAGE_SIZE, HEAD_DIM, BLOCK_N, True,
         )  # fmt: skip
+    if NEW_KV:  # the chunk's own keys, query-local indices: causal is key <= query row
+        m_start = m_block * BLOCK_M
+        kv_col = kv_head * HEAD_DIM
+        for start_n in range(0, m_start, BLOCK_N):
+            acc, l_i, m_i = _new_kv_tile(
+                acc, l_i, m_i, q, offs_m, start_n, k_new_desc, v_new_desc, q_start, kv_col,
+                qk_scale, BLOCK_N, False,
+            )  # fmt: skip
+        for start_n in range(m_start, tl.minimum(m_start + BLOCK_M, q_len), BLOCK_N):
+            acc, l_i, m_i = _new_kv_tile(
+                acc, l_i, m_i, q, offs_m, start_n, k_new_desc, v_new_desc, q_start, kv_col,
+                qk_scale, BLOCK_N, True,
+            )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -167,6 +238,16 @@ def check_attention_args(
     return num_seqs, num_heads, num_kv_heads, head_dim
 
 
+def _tma_rows(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """A TMA descriptor over [T, heads, D] rows (one row of heads * D elements a token), loading
+    [block_rows, D] tiles. TMA wants a 16-byte aligned base and row stride: a view that has
+    neither (an odd slice) is copied first."""
+    rows = t.flatten(1)  # a view: heads and head dim are contiguous
+    if rows.data_ptr() % 16 or rows.stride(0) * rows.element_size() % 16:
+        rows = rows.contiguous()
+    return TensorDescriptor.from_tensor(rows, [block_rows, t.shape[2]])
+
+
 def paged_attention_prefill_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -177,26 +258,43 @@ def paged_attention_prefill_triton(
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the prefill kernel; `config` = (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    """Launch the prefill kernel. With k_new / v_new ([T, H_kv, D], q's dtype, rows aligned with
+    q) the chunk's own keys come from them instead of the cache. `config` = (BLOCK_M, BLOCK_N,
+    num_warps, num_stages) overrides prefill_config's choice."""
     num_seqs, num_heads, num_kv_heads, head_dim = check_attention_args(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
     )
-    assert head_dim in PREFILL_CONFIGS, f"head_dim {head_dim} not in {sorted(PREFILL_CONFIGS)}"
-    block_m, block_n, num_warps, num_stages = config or PREFILL_CONFIGS[head_dim]
+    assert head_dim in HEAD_DIMS, f"head_dim {head_dim} not in {HEAD_DIMS}"
+    new_kv = k_new is not None
+    if new_kv:
+        assert v_new is not None and k_new.shape == v_new.shape == (q.shape[0], num_kv_heads,
+                                                                     head_dim)
+        assert k_new.dtype == v_new.dtype == q.dtype and k_new.stride(-1) == v_new.stride(-1) == 1
+        assert k_new.stride(1) == v_new.stride(1) == head_dim, "heads of a row must be contiguous"
+    block_m, block_n, num_warps, num_stages = config or prefill_config(
+        head_dim, max_seqlen_q, q.dtype, new_kv)
+    assert block_m % block_n == 0, "query blocks must start on a key tile"
     out = torch.empty_like(q)
     if q.shape[0] == 0 or num_seqs == 0:
         return out
+    k_desc = _tma_rows(k_new, block_n) if new_kv else None
+    v_desc = _tma_rows(v_new, block_n) if new_kv else None
     grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        _tma_rows(q, block_m), k_cache, v_cache, k_desc, v_desc, out, cu_seqlens_q, seq_lens,
+        block_tables, out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale * LOG2E,
         GROUP=num_heads // num_kv_heads, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, NEW_KV=new_kv,
+        # with k_new the paged loops only cover a cached context (often none): unpipelined,
+        # they leave the shared memory to the TMA loops (466 against 453 TFLOP/s at 4 x 4096)
+        PAGED_STAGES=1 if new_kv else num_stages, num_warps=num_warps, num_stages=num_stages,
         **pdl(q.device),
     )  # fmt: skip
     return out

@@ -204,15 +204,16 @@ def rotary_write_kv_cache_triton(
     slot_mapping: torch.Tensor | None,
     k_scale: float,
     v_scale: float,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the Triton kernel: rotated q out, rotated k and v into the caches, in one launch.
-
-    The rotated k is not returned: attention reads it back from the cache."""
+    """Launch the Triton kernel: rotated q out, rotated k and v into the caches (and the rotated
+    k into ``k_out`` if given), in one launch."""
     q3 = _flatten(q)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(q3, _flatten(k), positions, cos_sin_cache, q_out.view(q3.shape), v3=_flatten(v),
+    _launch(q3, _flatten(k), positions, cos_sin_cache, q_out.view(q3.shape),
+            None if k_out is None else k_out.view(-1, *k_out.shape[-2:]), v3=_flatten(v),
             k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, k_scale=k_scale,
-            v_scale=v_scale)
+            v_scale=v_scale)  # fmt: skip
     return q_out
 
 
@@ -245,9 +246,12 @@ def rotary_write_kv_cache_ref(
     slot_mapping: torch.Tensor | None,
     k_scale: float,
     v_scale: float,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch, the separate steps the kernel fuses: rotary, quantize (fp8), write."""
     q, k = apply_rotary_ref(q, k, positions, cos_sin_cache)
+    if k_out is not None:
+        k_out.copy_(k)
     if slot_mapping is not None:
         if k_cache.dtype == FP8_DTYPE:
             k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
@@ -275,12 +279,16 @@ def rotary_write_kv_cache(
     slot_mapping: torch.Tensor | None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q [T, H, D] and k [T, H_kv, D] and write k and v [T, H_kv, D] into the paged caches
-    at ``slot_mapping`` (None: write nothing); returns the rotated q.
+    at ``slot_mapping`` (None: write nothing); returns the rotated q. ``k_out`` (optional,
+    [T, H_kv, D] in k's dtype) also receives the rotated k, in the model dtype even for an fp8
+    cache.
 
     ``k_scale`` / ``v_scale`` matter only for an fp8 cache (stored values are x / scale)."""
-    args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+            k_out)
     if use_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache):
         return rotary_write_kv_cache_triton(*args)
     return rotary_write_kv_cache_ref(*args)

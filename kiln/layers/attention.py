@@ -66,16 +66,24 @@ class Attention(nn.Module):
         fp8 = k_cache.dtype == FP8_DTYPE
         if fp8:  # K and V are stored as x / scale; the scales fold into the softmax and output
             scale, out_scale = attention_scales(scale, self.k_scale, self.v_scale)
-        # attention reads the new K/V back from the cache, so the rotated k is not needed here
+        # Decode attention reads the new K/V back from the cache. The prefill kernel takes them
+        # as they are (the rotated k from the rotary launch, v itself): contiguous rows load
+        # faster than pages. An fp8 cache keeps the read-back, so that every key is attended in
+        # the precision it is stored in.
+        new_kv = meta.backend == "triton" and not fp8 and (
+            meta.prefill is not None or meta.max_seqlen_q > 1)
+        k_new = torch.empty(k.shape, dtype=k.dtype, device=k.device) if new_kv else None
+        v_new = v if new_kv else None
         q = rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                                  meta.slot_mapping, self.k_scale, self.v_scale)
+                                  meta.slot_mapping, self.k_scale, self.v_scale, k_new)
         if meta.backend != "triton":
             out = paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                       meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k,
                                       scale)
         elif meta.prefill is None:
             out = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                  meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k, scale)
+                                  meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k, scale,
+                                  k_new, v_new)
         else:
             nd, pre = meta.num_decode_seqs, meta.prefill
             out = torch.empty_like(q)
@@ -84,7 +92,7 @@ class Attention(nn.Module):
                                        meta.max_seqlen_k, scale)
             out[nd:] = paged_attention(q[nd:], k_cache, v_cache, pre.cu_seqlens_q, pre.seq_lens,
                                        pre.block_tables, pre.max_seqlen_q, pre.max_seqlen_k,
-                                       scale)
+                                       scale, k_new[nd:], v_new[nd:])
         if fp8:
             out = out * out_scale
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -25,8 +25,25 @@ from kiln.kernels.attention_prefill import paged_attention_prefill_triton
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
+def new_kv_args(ks, vs, q_lens, seq_lens, k_cache, v_cache, block_tables) -> dict:
+    """k_new / v_new for the chunks' own tokens, v_new a strided view as the model's qkv split
+    gives it. When the call goes to the prefill kernel (some chunk longer than one token), the
+    cache slots of those tokens are then set to NaN, so any read of them from the cache shows up
+    in the output; decode reads every key from the cache and ignores k_new / v_new."""
+    k_new = torch.cat([k[n - q:] for k, q, n in zip(ks, q_lens, seq_lens, strict=True)])
+    v_new = torch.cat([v[n - q:] for v, q, n in zip(vs, q_lens, seq_lens, strict=True)])
+    v_new = torch.cat([k_new, v_new], dim=1)[:, k_new.shape[1]:]  # row stride 2 * H_kv * D
+    block_size = k_cache.shape[1]
+    for b, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True) if max(q_lens) > 1 else ()):
+        for pos in range(n - q, n):
+            block = block_tables[b, pos // block_size]
+            k_cache[block, pos % block_size] = float("nan")
+            v_cache[block, pos % block_size] = float("nan")
+    return {"k_new": k_new, "v_new": v_new}
+
+
 def run_case(fn, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-             device="cpu", seed=0):  # fmt: skip
+             device="cpu", seed=0, new_kv=False):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     ks, vs, k_cache, v_cache, block_tables = make_paged_kv(
         seq_lens, num_kv_heads, head_dim, block_size, dtype, device, gen
@@ -34,10 +51,13 @@ def run_case(fn, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
     qs = [torch.randn(n, num_heads, head_dim, generator=gen).to(dtype).to(device) for n in q_lens]
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     scale = head_dim**-0.5
+    kwargs = {}
+    if new_kv:
+        kwargs = new_kv_args(ks, vs, q_lens, seq_lens, k_cache, v_cache, block_tables)
     out = fn(
         torch.cat(qs), k_cache, v_cache, cu.to(device),
         torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables,
-        max(q_lens), max(seq_lens), scale,
+        max(q_lens), max(seq_lens), scale, **kwargs,
     )  # fmt: skip
     assert out.dtype == dtype
     what = f"q_lens={q_lens} seq_lens={seq_lens} H={num_heads}/{num_kv_heads} {dtype}"
@@ -71,6 +91,20 @@ def test_prefill_triton(heads, dtype, block_size):
 
 
 @needs_triton
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"H{h[0]}-{h[1]}")
+@pytest.mark.parametrize("dtype", INTERPRET_DTYPES)
+@pytest.mark.parametrize("tiles", [(16, 16), (32, 16)], ids=["16x16", "32x16"])
+def test_prefill_triton_new_kv(heads, dtype, tiles):
+    """The chunks' own keys from k_new / v_new (TMA descriptors), the cached context from the
+    pages (whose copies of the new tokens are NaN): prompts, a chunk after a cached prefix, a
+    decode row, a prompt ending on a page boundary, query blocks of two key tiles."""
+    def fn(*args, **kwargs):
+        return paged_attention_prefill_triton(*args, **kwargs, config=(*tiles, 4, 1))
+
+    run_case(fn, *MIXED, *heads, head_dim=64, block_size=16, dtype=dtype, seed=5, new_kv=True)
+
+
+@needs_triton
 def test_prefill_triton_default_tiles():
     """The production tile sizes, with pages (8) smaller than a key tile."""
     fn = paged_attention_prefill_triton
@@ -99,10 +133,12 @@ def test_wrapper_on_cpu_is_reference():
 
 @gpu
 @pytest.mark.parametrize("seq_len", [1, 17, 1000])
-@pytest.mark.parametrize("kind", ["prefill", "chunk", "decode"])
+# "+new": the chunks' own K/V passed as k_new / v_new (decode always reads the cache)
+@pytest.mark.parametrize("kind", ["prefill", "chunk", "decode", "prefill+new", "chunk+new"])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (8, 8, 64), (16, 2, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu(seq_len, kind, heads, dtype):
+    kind, new_kv = kind.removesuffix("+new"), kind.endswith("+new")
     num_heads, num_kv_heads, head_dim = heads
     seq_lens = [seq_len, max(seq_len // 2, 1), 1, 300]
     if kind == "prefill":
@@ -112,4 +148,4 @@ def test_gpu(seq_len, kind, heads, dtype):
     else:
         q_lens = [1] * len(seq_lens)
     run_case(paged_attention, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, 16, dtype,
-             device="cuda", seed=seq_len)  # fmt: skip
+             device="cuda", seed=seq_len, new_kv=new_kv)  # fmt: skip

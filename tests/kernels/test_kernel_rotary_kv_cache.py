@@ -138,6 +138,26 @@ def test_triton_without_slot_mapping_writes_nothing(fp8):
 
 
 @needs_triton
+def test_triton_k_out_gets_the_rotated_k():
+    """k_out (the prefill kernel's k_new) receives the rotated k, and the q and cache outputs are
+    unchanged by asking for it (an fp8 cache: on the GPU below)."""
+    gen = torch.Generator().manual_seed(8)
+    dtype = torch.float16
+    inputs = make_inputs(17, 8, 2, 64, dtype, dtype, gen)
+    q, k, v, positions, k_cache, v_cache, slot_mapping = inputs
+    table = cos_sin_cache(64)
+    got_k, want_k = torch.empty_like(k), torch.empty_like(k)
+    ref_caches = k_cache.clone(), v_cache.clone()
+    want_q = rotary_write_kv_cache_ref(q, k, v, positions, table, *ref_caches, slot_mapping,
+                                       0.011, 0.023, want_k)
+    got_q = rotary_write_kv_cache_triton(q, k, v, positions, table, k_cache, v_cache,
+                                         slot_mapping, 0.011, 0.023, got_k)
+    assert_same((got_q, k_cache, v_cache), (want_q, *ref_caches), "with k_out")
+    assert torch.equal(got_k, want_k)
+    assert torch.equal(want_k, apply_rotary_triton(q, k, positions, table)[1])
+
+
+@needs_triton
 def test_triton_empty_batch():
     gen = torch.Generator().manual_seed(6)
     inputs = make_inputs(0, 4, 2, 64, torch.float32, torch.float32, gen)
@@ -178,6 +198,8 @@ def test_gpu_matches_unfused_launches(num_tokens, heads, dtype, fp8):
     scales = (0.011, 0.023) if fp8 else (1.0, 1.0)
     caches = k_cache.clone(), v_cache.clone()
     want = unfused_triton(q, k, v, positions, table, *caches, slot_mapping, *scales)
+    k_out = torch.empty_like(k)  # the rotated k, in the model dtype whatever the cache holds
     got = rotary_write_kv_cache(q, k, v, positions, table, k_cache, v_cache, slot_mapping,
-                                *scales)
+                                *scales, k_out)
     assert_same((got, k_cache, v_cache), (want, *caches), f"GPU {num_tokens} {heads} {dtype}")
+    assert torch.equal(k_out, apply_rotary_triton(q, k, positions, table)[1])
