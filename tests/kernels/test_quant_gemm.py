@@ -256,3 +256,78 @@ def test_gpu_dense_gemv(n, k):
     logits = qg.dense_gemv(x, weight, out_dtype=torch.float32)
     assert logits.dtype == torch.float32
     assert_rel_close(logits.double(), ref, 1e-5, f"bf16 {n}x{k}, float32 out")
+
+
+# ---- gated input: an MLP's [gate | up], the GEMV computing silu(gate) * up as it loads x -------
+
+
+def gated_pair(m, n, k, case, dtype, device="cpu", seed=0, activate=None):
+    """Weight args for wint_gemm_triton, and x = [gate | up] [m, 2k] with its activated form (by
+    ``activate``, default silu_and_mul)."""
+    from kiln.kernels.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(seed)
+    bits, group_size, symmetric, fp8 = case
+    qweight, scales, zeros, _ = make_weight(n, k, bits, group_size, symmetric, fp8, gen)
+    gate_up = (torch.randn(m, 2 * k, generator=gen) * 2).to(dtype).to(device)
+    args = tuple(t.to(device) if t is not None else None for t in (qweight, scales, zeros))
+    return args + (bits, group_size), gate_up, (activate or silu_and_mul)(gate_up)
+
+
+@needs_triton
+@pytest.mark.parametrize("config", GEMV_CONFIGS[:3] + GEMV_CONFIGS[3:4])  # FMA, then mma
+@pytest.mark.parametrize("case", [(4, 64, False, False), (8, -1, True, False), (8, -1, True, True)])
+@pytest.mark.parametrize("dtype", INTERPRET_DTYPES)
+def test_gemv_gated_is_silu_and_mul_then_gemv(config, case, dtype):
+    """Bit for bit: the FMA kernel rounds silu(gate) * up exactly as the silu_and_mul kernel does
+    before it multiplies; a tensor-core config (or a permutation) falls back to silu_and_mul."""
+    from kiln.kernels.activation import silu_and_mul, silu_and_mul_triton
+
+    m = 18 if config.mma else 2
+    # the fallback runs silu_and_mul, which is the reference on CPU
+    args, gate_up, x = gated_pair(m, 33, 192, case, dtype, seed=config.block_kw,
+                                  activate=silu_and_mul if config.mma else silu_and_mul_triton)
+    fused = qg.wint_gemm_triton(gate_up, *args, config=config, gated=True)
+    unfused = qg.wint_gemm_triton(x, *args, config=config)
+    assert fused.shape == (m, 33)
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [None, qg.GemvConfig(1, 8, 16), qg.GemvConfig(1, 8, 16, 2)])
+def test_dense_gemv_gated(config):
+    from kiln.kernels.activation import silu_and_mul_triton
+
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(24, 80, generator=gen).bfloat16()
+    gate_up = torch.randn(1, 160, generator=gen) * 2
+    fused = qg.dense_gemv(gate_up, weight, config=config, gated=True)
+    unfused = qg.dense_gemv(silu_and_mul_triton(gate_up), weight, config=config)
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
+
+
+def test_wint_linear_gated_on_cpu():
+    args, gate_up, x = gated_pair(3, 16, 64, (4, 32, False, False), torch.float32, seed=12)
+    torch.testing.assert_close(qg.wint_linear(gate_up, *args, gated=True),
+                               qg.wint_linear(x, *args), rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES + [(8, -1, True, False), (8, -1, True, True)])
+@pytest.mark.parametrize("m", [1, 7, 300])  # the gate fused in the GEMV, then silu_and_mul first
+def test_gpu_gated(case, m):
+    args, gate_up, x = gated_pair(m, 4096, 14336, case, torch.bfloat16, "cuda", seed=m)
+    torch.testing.assert_close(qg.wint_linear(gate_up, *args, gated=True),
+                               qg.wint_linear(x, *args), rtol=0, atol=0)
+
+
+@gpu
+def test_gpu_dense_gemv_gated():
+    from kiln.kernels.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(13)
+    weight = torch.randn(4096, 14336, generator=gen).bfloat16().cuda()
+    gate_up = (torch.randn(1, 2 * 14336, generator=gen) * 2).bfloat16().cuda()
+    assert qg.dense_gemv_applies(gate_up, weight)
+    torch.testing.assert_close(qg.dense_gemv(gate_up, weight, gated=True),
+                               qg.dense_gemv(silu_and_mul(gate_up), weight), rtol=0, atol=0)
