@@ -15,24 +15,17 @@ from kiln.kernels._triton import pdl, tl, triton, use_triton, wait_for_inputs
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """silu(gate) * up in float32, silu rounded to up's dtype first (as eager rounds F.silu's
-    output); the result in up's dtype. Shared with the GEMV that takes [gate | up] as its x."""
-    g = gate.to(tl.float32)
-    act = (g * tl.sigmoid(g)).to(up.dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(up.dtype)
-
-
-@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr):
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up), mask=mask)
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    out = (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor, block: int = 1024, num_warps: int = 4) -> torch.Tensor:

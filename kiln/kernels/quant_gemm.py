@@ -33,7 +33,6 @@ from kiln.kernels._triton import (
     use_triton,
     wait_for_inputs,
 )
-from kiln.kernels.activation import silu_and_mul, silu_mul
 
 FP8_DTYPE = torch.float8_e4m3fn
 # above this many rows dequantize-then-cuBLAS beats the fused kernel (benchmarks/gpu_quant.py)
@@ -215,22 +214,9 @@ def _fma_code(one, p, xs, words, x_row, xj, perm_ptr, smooth_ptr, cols, c_mask, 
 
 
 @triton.jit
-def _load_x(x_ptrs, mask, up_offset, EVEN_K: tl.constexpr, GATED: tl.constexpr):
-    """x at ``x_ptrs`` (masked unless EVEN_K). GATED: the row is an MLP's [gate | up], the pointers
-    address the gate half, and x = silu(gate) * up with up ``up_offset`` elements further: the
-    activation is computed where x is loaded instead of by a kernel of its own."""
-    x = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=mask, other=0.0)
-    if GATED:
-        up_ptrs = x_ptrs + up_offset
-        up = tl.load(up_ptrs) if EVEN_K else tl.load(up_ptrs, mask=mask, other=0.0)
-        x = silu_mul(x, up)
-    return x
-
-
-@triton.jit
-def _fma_word_plane(one, p, xs, words, x_row, perm_ptr, smooth_ptr, cols, c_mask, up_offset,
+def _fma_word_plane(one, p, xs, words, x_row, perm_ptr, smooth_ptr, cols, c_mask,
                     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_PERM: tl.constexpr,
-                    HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+                    HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_C: tl.constexpr):  # fmt: skip
     """All codes of a plane of words [BLOCK_N, BLOCK_C] (word index ``cols``) against x."""
     if HAS_PERM:  # gathered per code in _fma_code
@@ -238,7 +224,7 @@ def _fma_word_plane(one, p, xs, words, x_row, perm_ptr, smooth_ptr, cols, c_mask
         x0, x1, x2, x3, x4, x5, x6, x7 = z, z, z, z, z, z, z, z
     elif BITS == 4:  # the 8 inputs of each word: one 16-byte load, split in registers
         x_ptrs = x_row + cols[:, None] * 8 + tl.arange(0, 8)[None, :]
-        xw = _load_x(x_ptrs, c_mask[:, None], up_offset, EVEN_K, GATED)
+        xw = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=c_mask[:, None], other=0.0)
         xe, xo = tl.split(tl.reshape(xw, [BLOCK_C, 4, 2]))
         xe0, xe1 = tl.split(tl.reshape(xe, [BLOCK_C, 2, 2]))
         xo0, xo1 = tl.split(tl.reshape(xo, [BLOCK_C, 2, 2]))
@@ -248,14 +234,14 @@ def _fma_word_plane(one, p, xs, words, x_row, perm_ptr, smooth_ptr, cols, c_mask
         x3, x7 = tl.split(xo1)
     elif BITS == 8:
         x_ptrs = x_row + cols[:, None] * 4 + tl.arange(0, 4)[None, :]
-        xw = _load_x(x_ptrs, c_mask[:, None], up_offset, EVEN_K, GATED)
+        xw = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=c_mask[:, None], other=0.0)
         xe, xo = tl.split(tl.reshape(xw, [BLOCK_C, 2, 2]))
         x0, x2 = tl.split(xe)
         x1, x3 = tl.split(xo)
         x4, x5, x6, x7 = x0, x1, x2, x3  # unused
     else:  # 16-bit: two inputs per word
         x_ptrs = x_row + cols[:, None] * 2 + tl.arange(0, 2)[None, :]
-        xw = _load_x(x_ptrs, c_mask[:, None], up_offset, EVEN_K, GATED)
+        xw = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=c_mask[:, None], other=0.0)
         x0, x1 = tl.split(xw)
         x2, x3, x4, x5, x6, x7 = x0, x1, x0, x1, x0, x1  # unused
     p, xs = _fma_code(one, p, xs, words, x_row, x0, perm_ptr, smooth_ptr, cols, c_mask, 0,
@@ -298,11 +284,10 @@ def _wq_gemv_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
-    ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+    ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """CUDA-core GEMV: y[m, n] for the row m = program_id(0) of x, FMAs in float32 (GATED: x is
-    silu(gate) * up of an MLP's [gate | up] row, see _load_x).
+    """CUDA-core GEMV: y[m, n] for the row m = program_id(0) of x, FMAs in float32.
 
     WPG: words per scale group (0: one group per row, applied after the K loop). w_ptr is the
     packed weight viewed as int32 [N, KW] (stride_wn in words). Rows of x are programs (their
@@ -330,7 +315,6 @@ def _wq_gemv_kernel(
     one = (KW >> 31) + 0x3F800000
     kw_begin = pid_k * kw_per_split
     kw_end = tl.minimum(kw_begin + kw_per_split, KW)
-    up_offset = KW * (32 // BITS)  # GATED: the up half starts K elements after the gate
     packed = _load_words(w_rows, kw_begin + offs_w, kw_begin < kw_end, KW, EVEN_K)
     wait_for_inputs(USE_PDL)
     for kw0 in range(kw_begin, kw_end, BLOCK_KW):
@@ -344,17 +328,13 @@ def _wq_gemv_kernel(
         p = tl.zeros([BLOCK_N, BLOCK_C], tl.float32) if WPG > 0 else acc
         xs = tl.zeros([BLOCK_C], tl.float32)
         p, xs = _fma_word_plane(one, p, xs, w0, x_row, perm_ptr, smooth_ptr, c0, c0 < KW,
-                                up_offset, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, GATED,
-                                BLOCK_C)  # fmt: skip
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
         p, xs = _fma_word_plane(one, p, xs, w1, x_row, perm_ptr, smooth_ptr, c0 + 1, c0 + 1 < KW,
-                                up_offset, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, GATED,
-                                BLOCK_C)  # fmt: skip
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
         p, xs = _fma_word_plane(one, p, xs, w2, x_row, perm_ptr, smooth_ptr, c0 + 2, c0 + 2 < KW,
-                                up_offset, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, GATED,
-                                BLOCK_C)  # fmt: skip
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
         p, xs = _fma_word_plane(one, p, xs, w3, x_row, perm_ptr, smooth_ptr, c0 + 3, c0 + 3 < KW,
-                                up_offset, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, GATED,
-                                BLOCK_C)  # fmt: skip
+                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
         if WPG > 0:  # scale this tile's partial sums: acc += s (2^BITS p - (2^BITS + z) xs)
             g = tl.minimum(c0, KW - 1) // WPG  # masked columns have p = xs = 0
             s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :])
@@ -717,13 +697,8 @@ def _gemv_launch(
     w_fp8: bool,
     cfg: GemvConfig,
     out_dtype: torch.dtype | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
-    """gated: x [M, 2K] is an MLP's [gate | up], the input is silu(gate) * up (FMA kernel only)."""
     m, k = x.shape
-    if gated:
-        assert not cfg.mma and perm is None, "the gate is fused in the FMA kernel, unpermuted"
-        k //= 2
     out_dtype = out_dtype or x.dtype
     n, kw = words.shape
     per_word = 32 // bits
@@ -747,7 +722,7 @@ def _gemv_launch(
         HAS_SMOOTH=smooth is not None, WPG=wpg, CODE_SCALE=float(2**bits),
         ZERO_SYM=float(2 ** (bits - 1)),
         EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
-        **({"NATURAL": cfg.natural} if cfg.mma else {"GATED": gated}),
+        **({"NATURAL": cfg.natural} if cfg.mma else {}),
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
@@ -755,36 +730,33 @@ def _gemv_launch(
 
 
 def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``dense_gemv`` runs x [..., K] (or [..., 2K], gated) @ weight^T: a CUDA bf16
-    weight (contiguous rows, K a multiple of 8, 16-byte aligned) and at most DENSE_GEMV_MAX_M
-    rows of bf16 x."""
+    """Whether ``dense_gemv`` runs x [M, K] @ weight^T: a CUDA bf16 weight (contiguous rows,
+    K a multiple of 8, 16-byte aligned) and at most DENSE_GEMV_MAX_M rows of bf16 x."""
     k = weight.shape[-1]
     return (use_triton(x, weight) and weight.dtype == torch.bfloat16
-            and x.dtype == torch.bfloat16 and x.shape[:-1].numel() <= DENSE_GEMV_MAX_M
+            and x.dtype == torch.bfloat16 and x.numel() <= DENSE_GEMV_MAX_M * k
             and weight.dim() == 2 and weight.stride() == (k, 1) and k % 8 == 0
             and weight.data_ptr() % 16 == 0)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
-               gated: bool = False) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None,
+               config: GemvConfig | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for a dense bf16 W [N, K] through the word-streaming GEMV: its rows read
     as int32 words of two bf16 each ("16-bit codes", decoded with one shift or and), x [..., K]
     (bf16; float32 runs too, for the interpreter) -> [..., N] in ``out_dtype`` (x's by default).
 
     At batch 1 it streams the weights faster than cuBLAS' GEMV kernels on an H100, loads them
     before its PDL wait, and keeps the whole decode step in PDL-chained Triton kernels
-    (benchmarks/results/h100/quant_decode1_sweep.txt, kind w16). gated: x [..., 2K] is an MLP's
-    [gate | up] and W multiplies silu(gate) * up, computed as x is loaded."""
+    (benchmarks/results/h100/quant_decode1_sweep.txt, kind w16)."""
     n, k = weight.shape
     assert weight.dtype == torch.bfloat16 and weight.stride() == (k, 1) and k % 8 == 0
-    width = 2 * k if gated else k
-    x2 = x.reshape(-1, width)
-    if x2.stride(-1) != 1 or x2.stride(0) != width:
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.stride(0) != k:
         x2 = x2.contiguous()
     words = weight.view(torch.int32)  # [N, K / 2]
     cfg = config or _dense_gemv_config(n, k)
-    out = _gemv_launch(x2, words, words, None, 16, k, None, None, False, cfg, out_dtype, gated)
+    out = _gemv_launch(x2, words, words, None, 16, k, None, None, False, cfg, out_dtype)
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], n)
@@ -810,17 +782,13 @@ def wint_gemm_triton(
     smooth: torch.Tensor | None = None,
     config: GemmConfig | GemvConfig | None = None,
     out_dtype: torch.dtype | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """Fused path: x [M, K] (contiguous rows) -> [M, N] in ``out_dtype`` (x.dtype by default).
 
     M <= SMALL_M (or a GemvConfig): the word-streaming kernels; else (or a GemmConfig) the
-    tensor-core tile kernel. gated: x [M, 2K] is an MLP's [gate | up] and the input is
-    silu(gate) * up, computed inside the FMA GEMV where it runs (else by silu_and_mul first).
+    tensor-core tile kernel.
     """
     m, k = x.shape
-    if gated:
-        k //= 2
     n = scales.shape[0]
     group = k if group_size <= 0 else group_size
     assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1
@@ -833,12 +801,9 @@ def wint_gemm_triton(
     gemv_ok = words is not None and (group >= k or group % (128 // bits) == 0)
     if config is None and m <= SMALL_M and gemv_ok:
         config = _gemv_config(m, n, k, bits)
-    gemv = isinstance(config, GemvConfig) and gemv_ok
-    if gated and not (gemv and not config.mma and perm is None):  # only the FMA GEMV fuses it
-        x, gated = silu_and_mul(x), False
-    if gemv:
+    if isinstance(config, GemvConfig) and gemv_ok:
         return _gemv_launch(x, words, scales, zeros, bits, group, perm, smooth, w_fp8, config,
-                            out_dtype, gated)
+                            out_dtype)
     cfg = config if isinstance(config, GemmConfig) else _default_config(m, n, k, bits, x.device)
     block_k = min(cfg.block_k, next_power_of_2(k))
     if group >= k:  # per channel: every tile lies in group 0
@@ -973,17 +938,14 @@ def wint_linear(
     smooth: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """y = x W^T + b for a weight-only quantized W; x [..., K] -> [..., N] in ``out_dtype``
-    (x.dtype by default; float32 logits come from the float32 accumulator, unrounded).
-    gated: x [..., 2K] is an MLP's [gate | up] and the input is silu(gate) * up."""
+    (x.dtype by default; float32 logits come from the float32 accumulator, unrounded)."""
     if not use_triton(x, qweight, scales):
-        x = silu_and_mul(x) if gated else x
         out = wint_linear_ref(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias)
         return out if out_dtype is None else out.to(out_dtype)
     return wint_linear_triton(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias,
-                              out_dtype, gated)
+                              out_dtype)
 
 
 def wint_linear_triton(
@@ -997,7 +959,6 @@ def wint_linear_triton(
     smooth: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """``wint_linear`` without the device check: the Triton paths, picked by the rows of x."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -1005,11 +966,10 @@ def wint_linear_triton(
         x2 = x2.contiguous()
     if x2.shape[0] <= FUSED_MAX_M[bits]:
         out = wint_gemm_triton(x2, qweight, scales, zeros, bits, group_size, perm, smooth,
-                               out_dtype=out_dtype, gated=gated)
+                               out_dtype=out_dtype)
         if bias is not None:
             out += bias
     else:
-        x2 = silu_and_mul(x2) if gated else x2
         w = wint_dequant_triton(qweight, scales, zeros, bits, group_size, x.dtype, perm, smooth)
         out = linear(x2, w, bias, out_dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])

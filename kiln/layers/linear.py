@@ -13,7 +13,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.quant_gemm import dense_gemv, dense_gemv_applies, linear
 from kiln.parallel import SINGLE, TPContext
 
@@ -22,31 +21,23 @@ class LinearMethod(Protocol):
     """How a Linear stores its weight and runs. ``layer.weight`` is dense [out, in] at load.
 
     ``apply``'s ``out_dtype`` (None: x's) is how the LM head asks for float32 logits straight
-    from the accumulator. ``gated``: x [..., 2 * in] is an MLP's [gate | up] and the layer's
-    input is silu(gate) * up; a method computes it inside its batch-1 GEMV (one launch less per
-    MLP in a decode step) and with ``silu_and_mul`` first everywhere else."""
+    from the accumulator."""
 
     def process_weights_after_loading(self, layer: Linear) -> None: ...
 
-    def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
-              gated: bool = False) -> torch.Tensor: ...
+    def apply(self, layer: Linear, x: torch.Tensor,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
 
 class DenseLinearMethod:
     def process_weights_after_loading(self, layer: Linear) -> None:
         return None
 
-    def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
-              gated: bool = False) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if dense_gemv_applies(x, layer.weight):  # a decode row: the streaming GEMV
-            return dense_gemv(x, layer.weight, layer.bias, out_dtype, gated=gated)
-        return linear(silu_and_mul(x) if gated else x, layer.weight, layer.bias, out_dtype)
-
-
-def layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
-    """The input a Linear multiplies, from the arguments of its call (what a forward pre-hook
-    registered ``with_kwargs=True`` sees): args[0], activated when the call was gated."""
-    return silu_and_mul(args[0]) if kwargs.get("gated") else args[0]
+            return dense_gemv(x, layer.weight, layer.bias, out_dtype)
+        return linear(x, layer.weight, layer.bias, out_dtype)
 
 
 class Linear(nn.Module):
@@ -73,10 +64,8 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """x [..., in] -> [..., out]; gated: x [..., 2 * in] is an MLP's [gate | up] and the
-        input is silu(gate) * up (see LinearMethod; forward pre-hooks: ``layer_input``)."""
-        y = self.method.apply(self, x, gated=gated)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.method.apply(self, x)
         return self.tp.all_reduce(y) if self.reduce_output else y
 
     def _local_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kiln.layers.activation import SiluAndMul
 from kiln.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -61,10 +62,10 @@ class LlamaMLP(nn.Module):
             bias=cfg.mlp_bias, tp=tp)
         self.down_proj = row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
                                       tp=tp)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # down_proj applies silu(gate) * up itself: inside its GEMV at batch 1, else first
-        return self.down_proj(self.gate_up_proj(x), gated=True)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

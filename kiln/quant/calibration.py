@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from kiln.kernels.rotary import apply_rotary_ref
-from kiln.layers.linear import layer_input
 from kiln.quant.kv_cache import attention_layers
 from kiln.quant.observers import MinMaxObserver
 
@@ -124,7 +123,7 @@ class LinearStats:
 def run_batches(model: nn.Module, ids: torch.Tensor, batch_size: int,
                 hooks: Iterable[tuple[nn.Module, Callable]] = ()) -> None:
     """Run the calibration ids through the model with forward pre-hooks attached meanwhile."""
-    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module, hook in hooks]
+    handles = [module.register_forward_pre_hook(hook) for module, hook in hooks]
     device = next(model.parameters()).device
     try:
         with torch.inference_mode():
@@ -144,8 +143,7 @@ def collect_linear_stats(model: nn.Module, layers: list[tuple[str, nn.Module]],
     hooks = []
     for name, layer in layers:
         stats[name] = make_stats(name)
-        hooks.append((layer, (lambda s: lambda _mod, args, kwargs: s.update(
-            layer_input(args, kwargs)))(stats[name])))
+        hooks.append((layer, (lambda s: lambda _mod, args: s.update(args[0]))(stats[name])))
     run_batches(model, ids, batch_size, hooks)
     return stats
 
@@ -157,7 +155,7 @@ def collect_kv_amax(model: nn.Module, ids: torch.Tensor, batch_size: int = 4
     amax = [[MinMaxObserver(), MinMaxObserver()] for _ in layers]
 
     def hook_for(obs: list[MinMaxObserver]) -> Callable:
-        def hook(_mod, args, _kwargs):  # args: (q, k, v, meta, positions, cos_sin_cache)
+        def hook(_mod, args):  # args: (q, k, v, meta, positions, cos_sin_cache)
             # the cache stores k after rotary, which can raise |k| by up to sqrt(2)
             obs[0].update(apply_rotary_ref(args[0], args[1], args[4], args[5])[1])
             obs[1].update(args[2])
