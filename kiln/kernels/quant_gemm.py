@@ -637,10 +637,14 @@ def _gemv_config(m: int, n: int, k: int, bits: int) -> GemvConfig | None:
         # every shape but qkv and the 14336-wide gate (within 1.5 us there), the LM head
         # included (128256 x 4096: 167 us against 176); int4 keeps 8 rows, 16 where K is long
         # (down_proj, 4096 x 14336: 14.4 us against 16.5), and at qkv's width two pipelined
-        # 256-word steps over K (6144 x 4096: 7.5 us against 8.1-8.2 in both sweeps)
+        # 256-word steps over K (6144 x 4096: 7.5 us against 8.1-8.2 in both sweeps). The
+        # LM head (128256 x 4096) streams best at 8 rows: 100.6 us against 123 for 16 rows, in
+        # two repeats (ab_runs.txt 9)
         if bits == 8:
             return GemvConfig(1, 4, 512)
-        if n >= 65536 or k >= 8192:
+        if n >= 65536:
+            return GemvConfig(1, 8, 512, 1)
+        if k >= 8192:
             return GemvConfig(1, 16, 512, 1)
         return GemvConfig(1, 8, 256) if 4096 < n <= 8192 else GemvConfig(1, 8, 512)
     if m <= GEMV_FMA_MAX_M:
