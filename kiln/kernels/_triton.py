@@ -15,7 +15,6 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA descriptors
 
     HAS_TRITON = True
 except ImportError:  # CPU-only install: the references do the work
@@ -32,6 +31,14 @@ except ImportError:  # CPU-only install: the references do the work
     triton = _TritonStub()  # type: ignore[assignment]
     tl = _LanguageStub()  # type: ignore[assignment]
     TensorDescriptor = None  # type: ignore[assignment,misc]
+
+if HAS_TRITON:  # an installed triton too old for the kernels is an error, not a silent fallback
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA descriptors
+    except ImportError as exc:
+        raise ImportError(
+            f"Kiln's kernels need triton >= 3.4 (host TMA descriptors); found triton "
+            f"{triton.__version__}. Upgrade it: pip install 'triton>=3.4'") from exc
 
 __all__ = ["HAS_TRITON", "TensorDescriptor", "next_power_of_2", "num_sms", "pdl", "tl", "triton",
            "use_triton", "wait_for_inputs"]
