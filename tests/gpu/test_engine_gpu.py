@@ -96,6 +96,22 @@ def _match_rate(a: list[list[int]], b: list[list[int]]) -> float:
     return same / total
 
 
+def _assert_divergences_at_near_ties(eager: list, fast: list, name: str) -> None:
+    """Where a fast-path sequence first leaves the torch backend's, the torch run's top two
+    logprobs there are a near-tie (every later token follows from the flip); at most a quarter
+    of the sequences diverge."""
+    gaps = []
+    for e, f in zip(eager, fast, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(e.token_ids, f.token_ids, strict=True))
+                      if a != b), None)
+        if first is not None:
+            top = sorted(e.logprobs[first].values(), reverse=True)
+            gaps.append(top[0] - top[1])
+    report(f"{name}_divergence_logprob_gaps", [round(g, 4) for g in gaps])
+    assert all(g < 0.25 for g in gaps), f"a divergence at a clear choice (gap {max(gaps):.3f})"
+    assert len(gaps) <= len(eager) // 4
+
+
 def test_engine_torch_backend_matches_reference_on_cuda(tiny_llama):
     prompts, params = _workload(64, seed=1)
     got = _engine_tokens(tiny_llama, "torch", prompts, params)
@@ -128,16 +144,7 @@ def test_engine_triton_backend_and_graphs_match_torch_backend():
     assert _match_rate([c.token_ids for c in fast_alone], [c.token_ids for c in alone]) >= 0.9
     rate = _match_rate([c.token_ids for c in eager], [c.token_ids for c in fast])
     report("engine_triton_graphs_vs_torch_bf16_token_match", rate)
-    gaps = []
-    for e, f in zip(eager, fast, strict=True):
-        first = next((i for i, (a, b) in enumerate(zip(e.token_ids, f.token_ids, strict=True))
-                      if a != b), None)
-        if first is not None:
-            top = sorted(e.logprobs[first].values(), reverse=True)
-            gaps.append(top[0] - top[1])
-    report("engine_triton_graphs_vs_torch_divergence_logprob_gaps", [round(g, 4) for g in gaps])
-    assert all(g < 0.25 for g in gaps), f"a divergence at a clear choice (gap {max(gaps):.3f})"
-    assert len(gaps) <= len(prompts) // 4
+    _assert_divergences_at_near_ties(eager, fast, "engine_triton_graphs_vs_torch")
 
 
 def test_engine_triton_backend_matches_torch_backend_in_float32():
@@ -179,13 +186,15 @@ def test_quantized_engine_is_deterministic():
 def test_engine_fp8_kv_cache_with_chunked_prompts_next_to_decodes():
     """An fp8 cache through the Triton backend, 96 tokens a step, so prompt chunks share steps
     with decodes (the attention layer splits such batches, and an fp8 cache reads every key back
-    from its pages): every request completes, and the greedy tokens match the torch backend over
-    the same fp8 cache but for near-ties."""
+    from its pages): every request completes, and the greedy tokens follow the torch backend over
+    the same fp8 cache up to near-ties."""
     prompts, params = _heldout_workload(32, seed=3)
-    eager = _engine_tokens("kiln-tiny", "torch", prompts, params, kv_cache_dtype="fp8",
-                           enforce_eager=True)
-    fast = _engine_tokens("kiln-tiny", "triton", prompts, params, kv_cache_dtype="fp8")
-    assert [len(t) for t in fast] == [p.max_tokens for p in params]
-    rate = _match_rate(eager, fast)
+    with_lps = [kiln.SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True,
+                                    logprobs=2) for p in params]
+    eager = _engine_run("kiln-tiny", "torch", prompts, with_lps, kv_cache_dtype="fp8",
+                        enforce_eager=True)
+    fast = _engine_run("kiln-tiny", "triton", prompts, with_lps, kv_cache_dtype="fp8")
+    assert [len(c.token_ids) for c in fast] == [p.max_tokens for p in params]
+    rate = _match_rate([c.token_ids for c in eager], [c.token_ids for c in fast])
     report("engine_triton_vs_torch_fp8_kv_token_match", rate)
-    assert rate >= 0.9
+    _assert_divergences_at_near_ties(eager, fast, "engine_triton_vs_torch_fp8_kv")
