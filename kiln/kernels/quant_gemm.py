@@ -755,9 +755,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     (benchmarks/results/h100/quant_decode1_sweep.txt, kind w16)."""
     n, k = weight.shape
     assert weight.dtype == torch.bfloat16 and weight.stride() == (k, 1) and k % 8 == 0
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.stride(0) != k:
-        x2 = x2.contiguous()
+    x2 = x.reshape(-1, k).contiguous()  # a no-op for rows already laid out densely
     words = weight.view(torch.int32)  # [N, K / 2]
     cfg = config or _dense_gemv_config(n, k)
     out = _gemv_launch(x2, words, words, None, 16, k, None, None, False, cfg, out_dtype)
@@ -965,9 +963,7 @@ def wint_linear_triton(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``wint_linear`` without the device check: the Triton paths, picked by the rows of x."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1 or x2.stride(0) != x2.shape[1]:
-        x2 = x2.contiguous()
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if x2.shape[0] <= FUSED_MAX_M[bits]:
         out = wint_gemm_triton(x2, qweight, scales, zeros, bits, group_size, perm, smooth,
                                out_dtype=out_dtype)

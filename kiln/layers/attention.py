@@ -70,8 +70,7 @@ class Attention(nn.Module):
         # as they are (the rotated k from the rotary launch, v itself): contiguous rows load
         # faster than pages. An fp8 cache keeps the read-back, so that every key is attended in
         # the precision it is stored in.
-        new_kv = meta.backend == "triton" and not fp8 and (
-            meta.prefill is not None or meta.max_seqlen_q > 1)
+        new_kv = meta.backend == "triton" and not fp8 and meta.max_seqlen_q > 1
         k_new = torch.empty(k.shape, dtype=k.dtype, device=k.device) if new_kv else None
         v_new = v if new_kv else None
         q = rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
