@@ -15,6 +15,15 @@ from kiln.kernels._triton import pdl, tl, triton, use_triton, wait_for_inputs
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in float32: gate float32, up in the output dtype, silu rounded to that
+    dtype before the multiply as eager ``F.silu(gate) * up`` rounds it (the caller rounds the
+    product). Shared by this kernel and the GEMV that applies it in its epilogue."""
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    return act * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr):
     wait_for_inputs(USE_PDL)
@@ -23,8 +32,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-    out = (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    out = silu_mul(gate, up).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 

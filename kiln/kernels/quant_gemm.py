@@ -33,6 +33,7 @@ from kiln.kernels._triton import (
     use_triton,
     wait_for_inputs,
 )
+from kiln.kernels.activation import silu_and_mul, silu_mul
 
 FP8_DTYPE = torch.float8_e4m3fn
 # above this many rows dequantize-then-cuBLAS beats the fused kernel (benchmarks/gpu_quant.py)
@@ -284,10 +285,14 @@ def _wq_gemv_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
-    ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr,
+    ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """CUDA-core GEMV: y[m, n] for the row m = program_id(0) of x, FMAs in float32.
+
+    GATED: W is a merged [gate; up] projection (N = 2 I rows) and the output is
+    silu(y[:, :I]) * y[:, I:] [M, I]. A program takes BLOCK_N / 2 gate rows and the up rows that
+    pair with them, so its epilogue holds both halves of each output (no split-K).
 
     WPG: words per scale group (0: one group per row, applied after the K loop). w_ptr is the
     packed weight viewed as int32 [N, KW] (stride_wn in words). Rows of x are programs (their
@@ -301,11 +306,15 @@ def _wq_gemv_kernel(
     """
     BLOCK_C: tl.constexpr = BLOCK_KW // 4
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_KW)
     offs_c = tl.arange(0, BLOCK_C) * 4  # first word of each thread's 4
-    n_mask = offs_n < N
-    rows = tl.minimum(offs_n, N - 1)  # clamped instead of masked: no predicated loads
+    if GATED:  # tile row 2 i: gate row j = pid_n BLOCK_N / 2 + i; row 2 i + 1: up row I + j
+        half = N // 2
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        rows = tl.minimum(offs_n, half - 1) + (tl.arange(0, BLOCK_N) % 2) * half
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(offs_n, N - 1)  # clamped instead of masked: no predicated loads
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + pid_m * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
@@ -359,8 +368,16 @@ def _wq_gemv_kernel(
         else:
             zc = CODE_SCALE + ZERO_SYM
         y = s * (tl.sum(acc, axis=1) * CODE_SCALE - zc * tl.sum(xacc, axis=0))
+    dt = out_ptr.dtype.element_ty
+    if GATED:  # gate and up rounded to the output dtype first, as the unfused path stores them
+        gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        y = silu_mul(gate.to(dt).to(tl.float32), up.to(dt))
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_mask = offs_n < half
+    else:
+        n_mask = offs_n < N
     out_ptrs = _split_slice(out_ptr, pid_k, M, N) + pid_m * stride_om + offs_n
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(out_ptrs, y.to(dt), mask=n_mask)
 
 
 @triton.jit
@@ -701,7 +718,9 @@ def _gemv_launch(
     w_fp8: bool,
     cfg: GemvConfig,
     out_dtype: torch.dtype | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
+    """gated (the FMA kernel only): silu(gate) * up of a merged [gate; up] weight, [M, N / 2]."""
     m, k = x.shape
     out_dtype = out_dtype or x.dtype
     n, kw = words.shape
@@ -709,9 +728,10 @@ def _gemv_launch(
     wpg = 0 if group >= k else group // per_word  # scales are looked up per 4 words
     block_kw = max(min(cfg.block_kw, next_power_of_2(kw)), 4)
     assert wpg % 4 == 0, f"group {group}: the kernels need groups of whole 4-word vectors"
-    split = _gemv_split(cfg, n, kw, block_kw, x.device)
+    assert not gated or (not cfg.mma and n % 2 == 0 and cfg.block_n % 2 == 0)
+    split = 1 if gated else _gemv_split(cfg, n, kw, block_kw, x.device)
     kw_per_split = -(-kw // (split * block_kw)) * block_kw
-    out = _output(m, n, x.device, split, out_dtype)
+    out = _output(m, n // 2 if gated else n, x.device, split, out_dtype)
     kernel = _wq_gemv_mma_kernel if cfg.mma else _wq_gemv_kernel
     block_m = max(cfg.block_m, 16) if cfg.mma else 1  # FMA kernel: one row of x per program
     # rows of x fastest: the programs that share a weight tile run together (L2 hits)
@@ -726,7 +746,7 @@ def _gemv_launch(
         HAS_SMOOTH=smooth is not None, WPG=wpg, CODE_SCALE=float(2**bits),
         ZERO_SYM=float(2 ** (bits - 1)),
         EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
-        **({"NATURAL": cfg.natural} if cfg.mma else {}),
+        **({"NATURAL": cfg.natural} if cfg.mma else {"GATED": gated}),
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
@@ -744,24 +764,29 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None,
-               config: GemvConfig | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
+               gated: bool = False) -> torch.Tensor:
     """y = x W^T (+ b) for a dense bf16 W [N, K] through the word-streaming GEMV: its rows read
     as int32 words of two bf16 each ("16-bit codes", decoded with one shift or and), x [..., K]
     (bf16; float32 runs too, for the interpreter) -> [..., N] in ``out_dtype`` (x's by default).
 
     At batch 1 it streams the weights faster than cuBLAS' GEMV kernels on an H100, loads them
     before its PDL wait, and keeps the whole decode step in PDL-chained Triton kernels
-    (benchmarks/results/h100/quant_decode1_sweep.txt, kind w16)."""
+    (benchmarks/results/h100/quant_decode1_sweep.txt, kind w16).
+
+    gated: W is a merged [gate; up] projection and the result silu(gate) * up [..., N / 2],
+    computed in the GEMV's epilogue (a bias is added first, so it takes silu_and_mul after)."""
+    if gated and bias is not None:
+        return silu_and_mul(dense_gemv(x, weight, bias, out_dtype, config))
     n, k = weight.shape
     assert weight.dtype == torch.bfloat16 and weight.stride() == (k, 1) and k % 8 == 0
     x2 = x.reshape(-1, k).contiguous()  # a no-op for rows already laid out densely
     words = weight.view(torch.int32)  # [N, K / 2]
     cfg = config or _dense_gemv_config(n, k)
-    out = _gemv_launch(x2, words, words, None, 16, k, None, None, False, cfg, out_dtype)
+    out = _gemv_launch(x2, words, words, None, 16, k, None, None, False, cfg, out_dtype, gated)
     if bias is not None:
         out += bias
-    return out.reshape(*x.shape[:-1], n)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _dense_gemv_config(n: int, k: int) -> GemvConfig:
@@ -784,11 +809,13 @@ def wint_gemm_triton(
     smooth: torch.Tensor | None = None,
     config: GemmConfig | GemvConfig | None = None,
     out_dtype: torch.dtype | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """Fused path: x [M, K] (contiguous rows) -> [M, N] in ``out_dtype`` (x.dtype by default).
 
     M <= SMALL_M (or a GemvConfig): the word-streaming kernels; else (or a GemmConfig) the
-    tensor-core tile kernel.
+    tensor-core tile kernel. gated: silu(gate) * up [M, N / 2] of a merged [gate; up] weight,
+    in the CUDA-core GEMV's epilogue where that kernel runs, else by silu_and_mul after.
     """
     m, k = x.shape
     n = scales.shape[0]
@@ -797,15 +824,17 @@ def wint_gemm_triton(
     assert qweight.shape == (n, k // 8 if bits == 4 else k), f"qweight {tuple(qweight.shape)}"
     assert scales.shape[1] == -(-k // group), f"scales {tuple(scales.shape)} for group {group}"
     if m == 0:
-        return torch.empty(0, n, device=x.device, dtype=out_dtype or x.dtype)
+        return torch.empty(0, n // 2 if gated else n, device=x.device, dtype=out_dtype or x.dtype)
     words = _words(qweight, bits)
     w_fp8 = qweight.dtype == FP8_DTYPE
     gemv_ok = words is not None and (group >= k or group % (128 // bits) == 0)
     if config is None and m <= SMALL_M and gemv_ok:
         config = _gemv_config(m, n, k, bits)
     if isinstance(config, GemvConfig) and gemv_ok:
-        return _gemv_launch(x, words, scales, zeros, bits, group, perm, smooth, w_fp8, config,
-                            out_dtype)
+        fuse = gated and not config.mma
+        out = _gemv_launch(x, words, scales, zeros, bits, group, perm, smooth, w_fp8, config,
+                           out_dtype, fuse)
+        return silu_and_mul(out) if gated and not fuse else out
     cfg = config if isinstance(config, GemmConfig) else _default_config(m, n, k, bits, x.device)
     block_k = min(cfg.block_k, next_power_of_2(k))
     if group >= k:  # per channel: every tile lies in group 0
@@ -829,7 +858,8 @@ def wint_gemm_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(qweight, zeros, perm, smooth),
         **pdl(x.device),
     )  # fmt: skip
-    return _reduce_splits(out, out_dtype)
+    out = _reduce_splits(out, out_dtype)
+    return silu_and_mul(out) if gated else out
 
 
 def wint_dequant_triton(
@@ -940,14 +970,17 @@ def wint_linear(
     smooth: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """y = x W^T + b for a weight-only quantized W; x [..., K] -> [..., N] in ``out_dtype``
-    (x.dtype by default; float32 logits come from the float32 accumulator, unrounded)."""
+    (x.dtype by default; float32 logits come from the float32 accumulator, unrounded).
+    gated: silu(y[..., :N / 2]) * y[..., N / 2:] of a merged [gate; up] projection."""
     if not use_triton(x, qweight, scales):
         out = wint_linear_ref(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias)
-        return out if out_dtype is None else out.to(out_dtype)
+        out = out if out_dtype is None else out.to(out_dtype)
+        return silu_and_mul(out) if gated else out
     return wint_linear_triton(x, qweight, scales, zeros, bits, group_size, perm, smooth, bias,
-                              out_dtype)
+                              out_dtype, gated)
 
 
 def wint_linear_triton(
@@ -961,17 +994,22 @@ def wint_linear_triton(
     smooth: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """``wint_linear`` without the device check: the Triton paths, picked by the rows of x."""
+    if gated and bias is not None:  # the bias goes in before the activation
+        return silu_and_mul(wint_linear_triton(x, qweight, scales, zeros, bits, group_size, perm,
+                                               smooth, bias, out_dtype))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if x2.shape[0] <= FUSED_MAX_M[bits]:
         out = wint_gemm_triton(x2, qweight, scales, zeros, bits, group_size, perm, smooth,
-                               out_dtype=out_dtype)
+                               out_dtype=out_dtype, gated=gated)
         if bias is not None:
             out += bias
     else:
         w = wint_dequant_triton(qweight, scales, zeros, bits, group_size, x.dtype, perm, smooth)
         out = linear(x2, w, bias, out_dtype)
+        out = silu_and_mul(out) if gated else out
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.quant_gemm import dense_gemv, dense_gemv_applies, linear
 from kiln.parallel import SINGLE, TPContext
 
@@ -21,23 +22,25 @@ class LinearMethod(Protocol):
     """How a Linear stores its weight and runs. ``layer.weight`` is dense [out, in] at load.
 
     ``apply``'s ``out_dtype`` (None: x's) is how the LM head asks for float32 logits straight
-    from the accumulator."""
+    from the accumulator. ``gated``: the layer is a merged [gate; up] projection and the caller
+    wants silu(gate) * up (formats fuse it into a decode GEMV's epilogue where they can)."""
 
     def process_weights_after_loading(self, layer: Linear) -> None: ...
 
-    def apply(self, layer: Linear, x: torch.Tensor,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor: ...
+    def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+              gated: bool = False) -> torch.Tensor: ...
 
 
 class DenseLinearMethod:
     def process_weights_after_loading(self, layer: Linear) -> None:
         return None
 
-    def apply(self, layer: Linear, x: torch.Tensor,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+              gated: bool = False) -> torch.Tensor:
         if dense_gemv_applies(x, layer.weight):  # a decode row: the streaming GEMV
-            return dense_gemv(x, layer.weight, layer.bias, out_dtype)
-        return linear(x, layer.weight, layer.bias, out_dtype)
+            return dense_gemv(x, layer.weight, layer.bias, out_dtype, gated=gated)
+        y = linear(x, layer.weight, layer.bias, out_dtype)
+        return silu_and_mul(y) if gated else y
 
 
 class Linear(nn.Module):
@@ -64,8 +67,12 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.method.apply(self, x)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """gated: this is a merged [gate; up] projection and the result silu(gate) * up
+        [..., I] (column parallel: this rank's slice of I, which the row-parallel projection
+        after it takes)."""
+        assert not gated or (not self.reduce_output and list(self.shards) == ["gate", "up"])
+        y = self.method.apply(self, x, gated=gated)
         return self.tp.all_reduce(y) if self.reduce_output else y
 
     def _local_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:

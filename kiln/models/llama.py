@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.layers.activation import SiluAndMul
 from kiln.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -62,10 +61,8 @@ class LlamaMLP(nn.Module):
             bias=cfg.mlp_bias, tp=tp)
         self.down_proj = row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
                                       tp=tp)
-        self.act = SiluAndMul()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x, gated=True))
 
 
 class LlamaDecoderLayer(nn.Module):

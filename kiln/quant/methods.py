@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from kiln.kernels._triton import use_triton
+from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.quant_gemm import (
     FP8_DTYPE,
     GEMV_FMA_MAX_M,
@@ -109,10 +110,10 @@ class WeightOnlyMethod:
         return wint_dequant_ref(layer.qweight, layer.scales, layer.zeros, self.bits,
                                 self.group_size, dtype, layer.perm, layer.smooth)
 
-    def apply(self, layer: Linear, x: torch.Tensor,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+              gated: bool = False) -> torch.Tensor:
         return wint_linear(x, layer.qweight, layer.scales, layer.zeros, self.bits,
-                           self.group_size, layer.perm, layer.smooth, layer.bias, out_dtype)
+                           self.group_size, layer.perm, layer.smooth, layer.bias, out_dtype, gated)
 
 
 class W8A8Method:
@@ -174,20 +175,22 @@ class W8A8Method:
         w = layer.qweight.float() * layer.w_scales[:, None]
         return (w if layer.smooth is None else w * layer.smooth[None, :]).to(dtype)
 
-    def apply(self, layer: Linear, x: torch.Tensor,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+              gated: bool = False) -> torch.Tensor:
         if (self.kind == "fp8" and x.shape[:-1].numel() <= GEMV_FMA_MAX_M
                 and use_triton(x, layer.qweight)):
-            out = self.apply_weight_only(layer, x)
+            out = self.apply_weight_only(layer, x, gated)
         else:
             out = w8a8_linear(x, layer.qweight, layer.w_scales, self.kind, layer.smooth,
                               layer.act_scale, layer.bias)
+            out = silu_and_mul(out) if gated else out
         return out if out_dtype is None else out.to(out_dtype)
 
-    def apply_weight_only(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply_weight_only(self, layer: Linear, x: torch.Tensor,
+                          gated: bool = False) -> torch.Tensor:
         """FP8 weights through the Triton weight-only GEMM, x unquantized (the small-M path)."""
         return wint_linear_triton(x, layer.qweight, layer.w_scales[:, None], None, 8, -1, None,
-                                  layer.smooth, layer.bias)
+                                  layer.smooth, layer.bias, gated=gated)
 
 
 QuantMethod = WeightOnlyMethod | W8A8Method

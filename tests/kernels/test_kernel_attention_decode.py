@@ -12,6 +12,7 @@ from kernel_testing import INTERPRET_DTYPES, assert_rel_close, make_paged_kv, ne
 
 from kiln.kernels.attention import paged_attention_ref
 from kiln.kernels.attention_decode import (
+    _TICKETS,
     DECODE_CONFIG,
     MIN_PARTITION_LEN,
     PROGRAMS_PER_SM,
@@ -84,6 +85,10 @@ def run_decode(
         torch.tensor(seq_lens, dtype=torch.int32), block_tables, 1, max_seqlen_k, head_dim**-0.5,
     )  # fmt: skip
     out = paged_attention_decode_triton(*args, **launch)
+    # the last partition of each (sequence, kv head) puts its ticket counter back to zero: a
+    # second launch on the same counters combines the same partitions
+    torch.testing.assert_close(paged_attention_decode_triton(*args, **launch), out, rtol=0, atol=0)
+    assert not any(t.any() for t in _TICKETS.values())
     # both round their output to dtype once, from fp32 softmax and accumulators: fp32 agrees to
     # ~1e-6, fp16 to a few 2^-11 (the kernel also rounds the probabilities for P.V)
     tol = {torch.float32: 1e-4, torch.float16: 2e-3}[dtype]

@@ -16,6 +16,11 @@ if not torch.cuda.is_available():
             importlib.reload(sys.modules[_name])
 
 from kiln.kernels import quant_gemm as qg  # noqa: E402
+from kiln.kernels.activation import (  # noqa: E402
+    silu_and_mul,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from kiln.quant import w8a8  # noqa: E402
 
 # Against float64 math on the *dequantized* weight: fp32 differs by summation order only;
@@ -151,6 +156,76 @@ def test_dequant_triton(case):
     )
 
 
+# ---- gated: silu(gate) * up of a merged [gate; up] weight in the GEMV's epilogue ---------------
+
+
+def _gated_operands(case, inter, k, seed):
+    bits, group_size, symmetric, fp8 = case
+    gen = torch.Generator().manual_seed(seed)
+    qweight, scales, zeros, _ = make_weight(2 * inter, k, bits, group_size, symmetric, fp8, gen)
+    return torch.randn(2, k, generator=gen), (qweight, scales, zeros, bits, group_size)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", INTERPRET_DTYPES)
+def test_gated_gemv_is_the_unfused_path(case, dtype):
+    """Bit for bit what the GEMV followed by the silu_and_mul kernel gives: I = 13 leaves the
+    last program half masked, and every gate row pairs with its own up row."""
+    x, w = _gated_operands(case, 13, 128, seed=case[1] + 11)
+    qweight, scales, zeros, bits, group_size = w
+    args = (x.to(dtype), qweight, scales.to(dtype), zeros, bits, group_size)
+    config = qg.GemvConfig(1, 8, 16)
+    fused = qg.wint_gemm_triton(*args, config=config, gated=True)
+    unfused = silu_and_mul_triton(qg.wint_gemm_triton(*args, config=config))
+    assert fused.shape == (2, 13) and fused.dtype == dtype
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_dense_gemv(bias):
+    """bf16 weights: fused without a bias; with one the bias goes in first (then the kernel)."""
+    gen = torch.Generator().manual_seed(21 + bias)
+    weight = torch.randn(2 * 24, 64, generator=gen).bfloat16()
+    x = torch.randn(1, 64, generator=gen)
+    b = torch.randn(2 * 24, generator=gen) if bias else None
+    out = qg.dense_gemv(x, weight, b, config=qg.GemvConfig(1, 4, 16), gated=True)
+    plain = qg.dense_gemv(x, weight, b, config=qg.GemvConfig(1, 4, 16))
+    # fused: the kernel's own silu; the fallback's silu_and_mul is the reference on CPU
+    ref = silu_and_mul(plain) if bias else silu_and_mul_triton(plain)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    y = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    assert_rel_close(out.double(), torch.nn.functional.silu(y[:, :24]) * y[:, 24:], 1e-5)
+
+
+@needs_triton
+def test_gated_falls_back_off_the_fma_gemv():
+    """Where the epilogue cannot take it (the tensor-core word kernel, the tile kernel, M past
+    the GEMV, a bias) the gated call is the plain one followed by silu_and_mul."""
+    x, (qweight, scales, zeros, bits, group_size) = _gated_operands((4, 64, False, False), 24,
+                                                                    128, seed=5)
+    x = torch.cat([x] * 9)  # 18 rows
+    bias = torch.randn(48)
+    for config in (qg.GemvConfig(16, 16, 16, mma=True), qg.GemmConfig(16, 16, 64), None):
+        args = (x, qweight, scales, zeros, bits, group_size)
+        fused = qg.wint_gemm_triton(*args, config=config, gated=True)
+        torch.testing.assert_close(fused, silu_and_mul(qg.wint_gemm_triton(
+            *args, config=config)), rtol=0, atol=0)
+    out = qg.wint_linear_triton(x[:1], qweight, scales, zeros, bits, group_size, bias=bias,
+                                gated=True)
+    plain = qg.wint_linear_triton(x[:1], qweight, scales, zeros, bits, group_size, bias=bias)
+    torch.testing.assert_close(out, silu_and_mul(plain), rtol=0, atol=0)
+
+
+def test_gated_wrapper_on_cpu_is_reference():
+    x, (qweight, scales, zeros, bits, group_size) = _gated_operands((4, 32, True, False), 8, 64,
+                                                                    seed=6)
+    out = qg.wint_linear(x, qweight, scales, zeros, bits, group_size, gated=True)
+    ref = qg.wint_linear_ref(x, qweight, scales, zeros, bits, group_size)
+    torch.testing.assert_close(out, silu_and_mul_ref(ref))
+
+
 def test_wrapper_on_cpu_is_reference():
     gen = torch.Generator().manual_seed(3)
     qweight, scales, zeros, _ = make_weight(16, 64, 4, 32, False, gen=gen)
@@ -195,6 +270,25 @@ def test_act_quant_ref_bounds(kind):
 @pytest.mark.parametrize("m", [1, 7, 16, 64, 300])  # fused and dequantize + cuBLAS paths
 def test_gpu(case, m):
     check(qg.wint_linear, m, 4096, 4096, case, torch.bfloat16, device="cuda", seed=m)
+
+
+@gpu
+@pytest.mark.parametrize("case", [*CASES, "bf16"])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_gpu_gated_gemv(case, m):
+    """Llama-3.1-8B's gate/up shape at decode: the epilogue gives the unfused path's bits."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 4096, generator=gen).bfloat16().cuda()
+    if case == "bf16":
+        weight = (torch.randn(2 * 14336, 4096, generator=gen) * 0.02).bfloat16().cuda()
+        fused = qg.dense_gemv(x[:1], weight, gated=True)
+        unfused = silu_and_mul_triton(qg.dense_gemv(x[:1], weight))
+    else:
+        qweight, scales, zeros, _ = make_weight(2 * 14336, 4096, *case[:3], case[3], gen)
+        args = [t.cuda() if t is not None else None for t in (qweight, scales.bfloat16(), zeros)]
+        fused = qg.wint_linear(x, *args, case[0], case[1], gated=True)
+        unfused = silu_and_mul_triton(qg.wint_linear(x, *args, case[0], case[1]))
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
 
 
 @gpu

@@ -184,9 +184,9 @@ def test_w8a8_dispatch_by_rows(monkeypatch, kind, cuda, shape, gemv):
     calls = []
 
     def spy(name, fn):
-        def wrapped(*args):
+        def wrapped(*args, **kwargs):
             calls.append(name)
-            return fn(*args)
+            return fn(*args, **kwargs)
         return wrapped
 
     if cuda:  # what use_triton says for CUDA tensors; the paths below still run on the CPU
