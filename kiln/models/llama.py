@@ -61,6 +61,7 @@ class LlamaMLP(nn.Module):
             bias=cfg.mlp_bias, tp=tp)
         self.down_proj = row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
                                       tp=tp)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x, gated=True))
 
