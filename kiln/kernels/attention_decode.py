@@ -35,13 +35,16 @@ from kiln.kernels.attention_prefill import LOG2E, _attn_tile, check_attention_ar
 # (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py --decode-sweep,
 # benchmarks/results/h100/decode_sweep.txt: at 64 x 1k context 64/2w runs 96 us against 104 for
 # the earlier 128/4w). With fewer (sequence, kv head) pairs than SMs a partition is often a single
-# tile, and a smaller tile lets a short context spread over more programs.
+# tile, so a small batch runs 64-key tiles in 8 warps: the sweep's best at batch 1 and 8 and
+# 128-1024 tokens of context once the partitions combine in the decode kernel itself (batch 1,
+# 256 tokens: 6.2 us against 9.2 for 32-key tiles in 4 warps and a reduction kernel; batch 8,
+# 1024: 19.9 against 21.5 in 4 warps; h100/decode_sweep_fused.txt). Partitions that can run
+# longer than LONG_PARTITION keys keep 4 warps: at 8 x 16k, 5 partitions of 3277 keys, 8 warps
+# take 263 us against 193.
 DECODE_CONFIG = (64, 2, 2)
-SMALL_BATCH_CONFIG = (64, 4, 2)
-# at most TINY_BATCH_PROGRAMS pairs (batch 1 or 2 with 8 kv heads): 32-key tiles, the sweep's best
-# at 128-512 tokens of context (batch 1, 256 tokens: 7.2 us against 8.0 with 64-key tiles)
-TINY_BATCH_CONFIG = (32, 4, 2)
-TINY_BATCH_PROGRAMS = 16
+SMALL_BATCH_CONFIG = (64, 8, 2)
+LONG_PARTITION_CONFIG = (64, 4, 2)
+LONG_PARTITION = 1024
 # at full length (max_seqlen_k keys) shorter partitions cost more in the reduction than they win
 # in overlap; a shorter real context still goes down to one tile per partition
 MIN_PARTITION_LEN = 256
@@ -64,19 +67,21 @@ def decode_launch_config(
     not read a tensor. The split count gives ~PROGRAMS_PER_SM programs per SM at full length with
     partitions of at least MIN_PARTITION_LEN keys (the previous policy, unchanged). What makes a
     short context fast is that the kernel sizes partitions from the real length, down to one
-    BLOCK_N tile: with fewer (sequence, kv head) pairs than SMs the tile is SMALL_BATCH_CONFIG's
-    64 keys (TINY_BATCH_CONFIG's 32 for a handful of pairs), so that a 256-token context at batch
-    1 (8 kv heads) runs 64 one-tile programs instead of 8 two-tile ones. With at least one pair
-    per SM, DECODE_CONFIG stays: every SM already has a pair to work on (at 64 x 8 pairs there
-    is one split and no reduction, as before).
+    BLOCK_N tile, so that a 256-token context at batch 1 (8 kv heads) runs 32 one-tile programs
+    instead of 8 four-tile ones. With at least one pair per SM, DECODE_CONFIG stays: every SM
+    already has a pair to work on (at 64 x 8 pairs there is one split and no reduction). Below
+    that, 8 warps, or 4 where a partition may stream more than LONG_PARTITION keys.
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    block_n, num_warps, num_stages = (
-        DECODE_CONFIG if programs >= sms
-        else TINY_BATCH_CONFIG if programs <= TINY_BATCH_PROGRAMS else SMALL_BATCH_CONFIG)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
     num_splits = max(1, min(wanted, triton.cdiv(max_seqlen_k, MIN_PARTITION_LEN)))
-    return DecodeLaunch(block_n, num_warps, num_stages, num_splits)
+    if programs >= sms:
+        config = DECODE_CONFIG
+    elif triton.cdiv(max_seqlen_k, num_splits) > LONG_PARTITION:
+        config = LONG_PARTITION_CONFIG
+    else:
+        config = SMALL_BATCH_CONFIG
+    return DecodeLaunch(*config, num_splits)
 
 
 @triton.jit
