@@ -5,22 +5,16 @@ real context is cut into partitions of whole BLOCK_N tiles, one program each, so
 batch still fills the GPU. Each program loads every K/V tile of its kv head once and scores it
 against all GROUP = num_heads / num_kv_heads query heads that share it (a
 [GROUP, HEAD_DIM] x [HEAD_DIM, BLOCK_N] product, GROUP padded to 16 rows for the tensor cores).
-A partition leaves its normalized output o_s and log-sum-exp lse_s (base 2), and the last
-partition of a (sequence, kv head) to finish combines them exactly:
+A partition leaves its normalized output o_s and log-sum-exp lse_s (base 2); the second pass
+combines them exactly:
 
     out = sum_s w_s o_s,    w_s = 2^(lse_s - max lse) / sum_s' 2^(lse_s' - max lse)
-
-"Last" is counted on the device: each partition takes a ticket from a per-pair counter after its
-stores, and the one holding the final ticket reads the others' (ordered by the counter's
-release/acquire) and puts the counter back to 0 for the next launch. That saves the second
-kernel a separate reduction pass would take, and its launch gap, at every layer of a small-batch
-decode step.
 
 num_splits is a host choice (fixed when a CUDA graph is captured, with max_seqlen_k at the model's
 maximum length), but the partition length is computed in the kernel from the sequence's real
 length: a short context is spread over as many splits as it has tiles, a long one over all of
-them, and the splits it does not need exit at once. With a single split (DIRECT) a partition
-writes the output directly and no counter is touched.
+them, and the splits it does not need exit at once. With a single split (DIRECT) the first pass
+writes the output directly and no second pass runs.
 """
 
 from __future__ import annotations
@@ -35,16 +29,13 @@ from kiln.kernels.attention_prefill import LOG2E, _attn_tile, check_attention_ar
 # (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py --decode-sweep,
 # benchmarks/results/h100/decode_sweep.txt: at 64 x 1k context 64/2w runs 96 us against 104 for
 # the earlier 128/4w). With fewer (sequence, kv head) pairs than SMs a partition is often a single
-# tile, so a small batch runs 64-key tiles in 8 warps: the sweep's best at batch 1 and 8 and
-# 128-1024 tokens of context once the partitions combine in the decode kernel itself (batch 1,
-# 256 tokens: 6.2 us against 9.2 for 32-key tiles in 4 warps and a reduction kernel; batch 8,
-# 1024: 19.9 against 21.5 in 4 warps; h100/decode_sweep_fused.txt). Partitions that can run
-# longer than LONG_PARTITION keys keep 4 warps: at 8 x 16k, 5 partitions of 3277 keys, 8 warps
-# take 263 us against 193.
+# tile, and a smaller tile lets a short context spread over more programs.
 DECODE_CONFIG = (64, 2, 2)
-SMALL_BATCH_CONFIG = (64, 8, 2)
-LONG_PARTITION_CONFIG = (64, 4, 2)
-LONG_PARTITION = 1024
+SMALL_BATCH_CONFIG = (64, 4, 2)
+# at most TINY_BATCH_PROGRAMS pairs (batch 1 or 2 with 8 kv heads): 32-key tiles, the sweep's best
+# at 128-512 tokens of context (batch 1, 256 tokens: 7.2 us against 8.0 with 64-key tiles)
+TINY_BATCH_CONFIG = (32, 4, 2)
+TINY_BATCH_PROGRAMS = 16
 # at full length (max_seqlen_k keys) shorter partitions cost more in the reduction than they win
 # in overlap; a shorter real context still goes down to one tile per partition
 MIN_PARTITION_LEN = 256
@@ -67,28 +58,26 @@ def decode_launch_config(
     not read a tensor. The split count gives ~PROGRAMS_PER_SM programs per SM at full length with
     partitions of at least MIN_PARTITION_LEN keys (the previous policy, unchanged). What makes a
     short context fast is that the kernel sizes partitions from the real length, down to one
-    BLOCK_N tile, so that a 256-token context at batch 1 (8 kv heads) runs 32 one-tile programs
-    instead of 8 four-tile ones. With at least one pair per SM, DECODE_CONFIG stays: every SM
-    already has a pair to work on (at 64 x 8 pairs there is one split and no reduction). Below
-    that, 8 warps, or 4 where a partition may stream more than LONG_PARTITION keys.
+    BLOCK_N tile: with fewer (sequence, kv head) pairs than SMs the tile is SMALL_BATCH_CONFIG's
+    64 keys (TINY_BATCH_CONFIG's 32 for a handful of pairs), so that a 256-token context at batch
+    1 (8 kv heads) runs 64 one-tile programs instead of 8 two-tile ones. With at least one pair
+    per SM, DECODE_CONFIG stays: every SM already has a pair to work on (at 64 x 8 pairs there
+    is one split and no reduction, as before).
     """
     programs = max(num_seqs * num_kv_heads, 1)
+    block_n, num_warps, num_stages = (
+        DECODE_CONFIG if programs >= sms
+        else TINY_BATCH_CONFIG if programs <= TINY_BATCH_PROGRAMS else SMALL_BATCH_CONFIG)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
     num_splits = max(1, min(wanted, triton.cdiv(max_seqlen_k, MIN_PARTITION_LEN)))
-    if programs >= sms:
-        config = DECODE_CONFIG
-    elif triton.cdiv(max_seqlen_k, num_splits) > LONG_PARTITION:
-        config = LONG_PARTITION_CONFIG
-    else:
-        config = SMALL_BATCH_CONFIG
-    return DecodeLaunch(*config, num_splits)
+    return DecodeLaunch(block_n, num_warps, num_stages, num_splits)
 
 
 @triton.jit
 def _partition_len(seq_len, num_splits, min_partition_len, block_n):
     """Keys per partition of a sequence: its real length over the splits, in whole tiles (so that
-    only the last partition has a ragged tile), never under min_partition_len. Every program of
-    the sequence derives the same count of partitions that run (the tickets to wait for) from it."""
+    only the last partition has a ragged tile), never under min_partition_len. Both passes call
+    this, so the reduction reads exactly the partitions that ran."""
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), block_n) * block_n
     return tl.maximum(per_split, min_partition_len)
 
@@ -97,13 +86,13 @@ def _partition_len(seq_len, num_splits, min_partition_len, block_n):
 # shape never triggers a compile while serving
 @triton.jit(do_not_specialize=["stride_bt", "min_partition_len", "num_splits"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, tickets_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     qk_scale, min_partition_len, num_heads, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL)
     seq = tl.program_id(0)
@@ -152,62 +141,39 @@ def _decode_kernel(
         out_ptrs = out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        first_part = (q_row * num_heads + heads) * num_splits  # [BLOCK_G]
-        part_ptrs = part_out_ptr + (first_part + split)[:, None] * HEAD_DIM + offs_d[None, :]
+        part = (q_row * num_heads + heads) * num_splits + split  # [BLOCK_G]
+        part_ptrs = part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(part_ptrs, out, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + first_part + split, m_i + tl.log2(l_i), mask=g_mask)
-        # every thread's stores before the ticket (taken by one thread, released to the GPU)
-        tl.debug_barrier()
-        ticket_ptr = tickets_ptr + seq * tl.num_programs(1) + kv_head
-        num_parts = tl.cdiv(seq_len, partition_len)  # the partitions that run
-        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_parts - 1:
-            tl.store(ticket_ptr, 0)
-            _combine_partitions(part_out_ptr, part_lse_ptr, out_ptr, first_part, num_parts,
-                                q_row * stride_ot + heads * stride_oh, g_mask,
-                                BLOCK_G, HEAD_DIM, BLOCK_S)  # fmt: skip
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_mask)
 
 
-@triton.jit
-def _combine_partitions(part_out_ptr, part_lse_ptr, out_ptr, first_part, num_parts, out_offs,
-                        g_mask, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_S: tl.constexpr):  # fmt: skip
-    """out[g] = sum_s w_s o_s over the num_parts partitions of each query head g of the group.
-    The loads skip L1 (.cg): the other partitions wrote their results from other SMs."""
+@triton.jit(do_not_specialize=["min_partition_len", "num_splits"])
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    stride_ot, stride_oh, min_partition_len, num_heads, num_splits, block_n,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_inputs(USE_PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    partition_len = _partition_len(seq_len, num_splits, min_partition_len, block_n)
+    num_parts = tl.cdiv(seq_len, partition_len)  # partitions that ran
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    lse_mask = g_mask[:, None] & (offs_s < num_parts)[None, :]
-    lse = tl.load(part_lse_ptr + first_part[:, None] + offs_s[None, :], mask=lse_mask,
-                  other=float("-inf"), cache_modifier=".cg")  # [BLOCK_G, BLOCK_S]
-    lse_max = tl.max(lse, 1)
-    lse_max = tl.where(g_mask, lse_max, 0.0)  # padded heads: no -inf - -inf
-    denom = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for s in range(num_parts):
-        lse_s = tl.load(part_lse_ptr + first_part + s, mask=g_mask, other=0.0,
-                        cache_modifier=".cg")
-        o_s = tl.load(part_out_ptr + (first_part + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
-        acc += o_s * (tl.exp2(lse_s - lse_max) / denom)[:, None]
-    out_ptrs = out_ptr + out_offs[:, None] + offs_d[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, pairs: int) -> torch.Tensor:
-    """The per-(sequence, kv head) ticket counters of a device: zeros, put back to zero by every
-    launch, so one buffer serves all launches and CUDA graphs (it must exist before a capture:
-    the engine's eager warm-up at the largest batch allocates it)."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < pairs:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode attention needs {pairs} ticket counters but has "
-                               f"{0 if tickets is None else tickets.numel()}: run one eager "
-                               f"decode at the largest batch before capturing a CUDA graph")
-        tickets = torch.zeros(max(pairs, 4096), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
+    s_mask = offs_s < num_parts
+    part = (q_row.to(tl.int64) * num_heads + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    part_ptrs = part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+    parts = tl.load(part_ptrs, mask=s_mask[:, None], other=0.0)  # [BLOCK_S, HEAD_DIM]
+    out = tl.sum(parts * w[:, None], 0)
+    out_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_attention_decode_triton(
@@ -224,7 +190,7 @@ def paged_attention_decode_triton(
     config: tuple[int, int, int] | None = None,
     min_partition_len: int | None = None,
 ) -> torch.Tensor:
-    """Launch decode attention; every sequence has at most one query token.
+    """Launch decode (+ reduction); every sequence has at most one query token.
 
     num_splits and config = (BLOCK_N, num_warps, num_stages) override decode_launch_config's
     choice, and min_partition_len the one-tile floor of the partition length (tests and
@@ -248,22 +214,28 @@ def paged_attention_decode_triton(
     min_partition_len = triton.cdiv(min_partition_len or block_n, block_n) * block_n
     num_splits = max(1, min(num_splits, triton.cdiv(max_seqlen_k, min_partition_len)))
     group = num_heads // num_kv_heads
+    launch_pdl = pdl(q.device)
     if num_splits > 1:
         shape = (q.shape[0], num_heads, num_splits)
         part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-        tickets = _tickets(q.device, num_seqs * num_kv_heads)
     else:
-        part_out = part_lse = tickets = out  # unused: DIRECT stores straight into out
+        part_out = part_lse = out  # unused: DIRECT stores straight into out
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, tickets, cu_seqlens_q, seq_lens,
-        block_tables,
+        q, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, min_partition_len, num_heads, num_splits,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=next_power_of_2(num_splits),
-        DIRECT=num_splits == 1, num_warps=num_warps, num_stages=num_stages, **pdl(q.device),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=num_splits == 1,
+        num_warps=num_warps, num_stages=num_stages, **launch_pdl,
     )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, cu_seqlens_q, seq_lens, out.stride(0), out.stride(1),
+            min_partition_len, num_heads, num_splits, block_n,
+            BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4, **launch_pdl,
+        )  # fmt: skip
     return out
