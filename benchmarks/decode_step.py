@@ -1,9 +1,15 @@
-"""Device time of one captured decode step, apart from the host: replays the batch-size-B decode
-CUDA graph back to back (inputs as left by the warm-up) and times the replays with CUDA events.
-Set next to `kiln bench latency`'s inter-token latency it says whether a step is bound by the GPU
-or by the engine's host loop. Llama-3.1-8B shape, dummy weights. On the GPU machine:
+"""Device time of one captured decode step, apart from the host: fills the batch-size-B decode
+CUDA graph's inputs once for B sequences at a real context length (their pages hold whatever the
+cache holds: timing does not depend on the values), then replays the graph back to back and
+times the replays with CUDA events. Set next to `kiln bench latency`'s inter-token latency it
+says whether a step is bound by the GPU or by the engine's host loop. Llama-3.1-8B shape, dummy
+weights. On the GPU machine:
 
     PYTHONPATH=. python3 benchmarks/decode_step.py [--quantization int4] [--batch-size 1]
+        [--context 256]
+
+The context matters: replaying the graph with the inputs its capture left (one token of
+context) hides the attention's share of the step (ab_runs.txt 16).
 """
 
 import argparse
@@ -16,11 +22,20 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--quantization", default=None)
 parser.add_argument("--batch-size", type=int, default=1)
 parser.add_argument("--replays", type=int, default=200)
+parser.add_argument("--context", type=int, default=256,
+                    help="tokens of context per sequence, the new one included (the latency "
+                         "workload's mean: 128 prompt + 256 output)")
 args = parser.parse_args()
 
 engine = LLMEngine.from_kwargs("benchmarks/workloads/llama-3.1-8b", load_format="dummy",
                                max_model_len=4096, quantization=args.quantization)
 graphs = engine.runner.graphs
+pages = -(-args.context // graphs.block_size)
+if args.batch_size * pages > engine.kv_cache.num_blocks:
+    raise SystemExit(f"{args.batch_size} x {args.context} tokens need {args.batch_size * pages} "
+                     f"KV blocks; the cache has {engine.kv_cache.num_blocks}")
+tables = [list(range(i * pages, (i + 1) * pages)) for i in range(args.batch_size)]
+graphs.run([0] * args.batch_size, [args.context - 1] * args.batch_size, tables)  # inputs, once
 graph = graphs.graphs[("decode", next(s for s in graphs.batch_sizes if s >= args.batch_size))]
 for _ in range(10):
     graph.replay()
@@ -31,5 +46,6 @@ for _ in range(args.replays):
 end.record()
 torch.cuda.synchronize()
 ms = start.elapsed_time(end) / args.replays
-print(f"decode step, batch {args.batch_size}, {args.quantization or 'bf16'}: {ms:.3f} ms of "
+print(f"decode step, batch {args.batch_size} x {args.context} tokens of context, "
+      f"{args.quantization or 'bf16'}: {ms:.3f} ms of "
       f"device time per step ({1e3 / ms:.1f} steps/s) over {args.replays} back-to-back replays")
