@@ -14,6 +14,8 @@ GEMV_FMA_MAX_M rows, a tensor-core variant for int4 up to SMALL_M, see _gemv_con
 FUSED_MAX_M rows a tensor-core tile kernel; above, one dequantization kernel into a dense
 weight followed by cuBLAS (the same math, ``W`` rounded to x.dtype). The stored layout is
 kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): no kernel needs a repacked weight.
+``gated=True`` (Llama's merged gate/up projection) returns silu(gate) * up instead of y: the
+CUDA-core GEMV computes it in its epilogue, every other path runs silu_and_mul after.
 W8A8 (FP8 / INT8 activations through cuBLAS) lives in ``kiln/quant/w8a8.py``.
 """
 
