@@ -69,14 +69,17 @@ def num_sms(device: torch.device) -> int:
 # ---- programmatic dependent launch (PDL, sm_90+) ------------------------------------------------
 #
 # A kernel launched with ``launch_pdl=True`` may start while the kernel before it in the stream is
-# still running, so its launch latency and whatever it loads from memory nothing earlier writes
-# (weights) overlap the previous kernel's tail; at decode batch sizes every layer is ~10 kernels of
-# a few microseconds, and these gaps are a large share of the step. The contract, kept by every
-# kernel that takes USE_PDL: before ``wait_for_inputs`` it stores nothing and reads nothing that
-# an earlier kernel may write (a store could overwrite memory the previous kernel still reads).
-# The next kernel is released only after this kernel's wait, so a chain of PDL launches never
-# overlaps more than two kernels, and a kernel's pre-wait reads never race anything but its
-# immediate predecessor, which writes activations only.
+# still running, so its launch latency and whatever it loads that its predecessor does not write
+# (weights, the engine's per-step inputs, KV-cache entries of earlier steps) overlap the previous
+# kernel's tail; at decode batch sizes every layer is ~10 kernels of a few microseconds, and these
+# gaps are a large share of the step. The next kernel is released only after this kernel's wait,
+# so a chain of PDL launches never overlaps more than two kernels, and everything older than the
+# immediate predecessor has finished when a kernel starts. The contract, kept by every kernel that
+# takes USE_PDL:
+# - before ``wait_for_inputs`` it stores nothing (a store could overwrite memory the previous
+#   kernel still reads) and reads nothing its immediate predecessor may write;
+# - every program calls it before exiting (a grid that exited without waiting would release the
+#   next kernel before this one's predecessor had finished).
 
 
 @triton.jit

@@ -24,7 +24,14 @@ from typing import NamedTuple
 import torch
 
 from kiln.kernels._triton import next_power_of_2, num_sms, pdl, tl, triton, wait_for_inputs
-from kiln.kernels.attention_prefill import LOG2E, _attn_tile, check_attention_args
+from kiln.kernels.attention_prefill import (
+    LOG2E,
+    _attn_tile,
+    _dot,
+    _kv_tile_ptrs,
+    _tile_softmax,
+    check_attention_args,
+)
 
 # (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py --decode-sweep,
 # benchmarks/results/h100/decode_sweep.txt: at 64 x 1k context 64/2w runs 96 us against 104 for
@@ -94,19 +101,37 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_inputs(USE_PDL)
+    # Before the wait: what the engine wrote before the step (the sequence's lengths and block
+    # table) and the K/V of every position but the newest, which the kernel just before (the
+    # cache write) stores. The first tile's loads then overlap that kernel instead of following
+    # it; at batch 1 a partition is often that one tile.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_row = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:  # no query for this sequence this step
-        return
+    has_query = tl.load(cu_seqlens_q_ptr + seq + 1) != q_row  # else no query this step
     seq_len = tl.load(seq_lens_ptr + seq)
     partition_len = _partition_len(seq_len, num_splits, min_partition_len, BLOCK_N)
     start = split * partition_len
-    if start >= seq_len:
+    active = has_query & (start < seq_len)
+    # an idle program looks up no page past its table: page 0, no keys
+    end = tl.where(active, tl.minimum(start + partition_len, seq_len), 0)
+    start = tl.where(active, start, 0)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    k_ptrs, v_ptrs, offs_n, n_valid = _kv_tile_ptrs(
+        start, end, bt_row, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+        PAGE_SIZE, HEAD_DIM, BLOCK_N, True)  # fmt: skip
+    cached = n_valid & (offs_n < seq_len - 1)  # none for an idle program (end = 0)
+    k_t = tl.load(k_ptrs, mask=cached[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+    v = tl.load(v_ptrs, mask=cached[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+    wait_for_inputs(USE_PDL)
+    if not active:
         return
-    end = tl.minimum(start + partition_len, seq_len)
+    newest = offs_n == seq_len - 1  # this step's key, if it falls in the first tile
+    k_t = tl.load(k_ptrs, mask=newest[None, :], other=k_t)
+    v = tl.load(v_ptrs, mask=newest[:, None], other=v)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     g_mask = offs_g < GROUP
@@ -120,17 +145,17 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kv_head * stride_kh
-    v_head = v_cache_ptr + kv_head * stride_vh
+    p, acc, l_i, m_i = _tile_softmax(acc, l_i, m_i, q, q_pos, k_t, offs_n, n_valid, qk_scale,
+                                     True)  # fmt: skip
+    acc = _dot(p.to(q.dtype), v.to(q.dtype), acc)
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
-    for start_n in range(start, full_end, BLOCK_N):
+    for start_n in range(start + BLOCK_N, full_end, BLOCK_N):
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, q_pos, start_n, end, bt_row, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
             PAGE_SIZE, HEAD_DIM, BLOCK_N, False,
         )  # fmt: skip
-    for start_n in range(full_end, end, BLOCK_N):  # at most one ragged tile
+    for start_n in range(tl.maximum(full_end, start + BLOCK_N), end, BLOCK_N):  # a ragged tile
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, q_pos, start_n, end, bt_row, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
@@ -153,13 +178,14 @@ def _decode_reduce_kernel(
     stride_ot, stride_oh, min_partition_len, num_heads, num_splits, block_n,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_inputs(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    q_row = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
-        return
+    q_row = tl.load(cu_seqlens_q_ptr + seq)  # the engine's inputs: loaded before the wait
+    has_query = tl.load(cu_seqlens_q_ptr + seq + 1) != q_row
     seq_len = tl.load(seq_lens_ptr + seq)
+    wait_for_inputs(USE_PDL)
+    if not has_query:
+        return
     partition_len = _partition_len(seq_len, num_splits, min_partition_len, block_n)
     num_parts = tl.cdiv(seq_len, partition_len)  # partitions that ran
     offs_s = tl.arange(0, BLOCK_S)

@@ -73,12 +73,13 @@ def _online_softmax(qk, l_i, m_i, qk_scale):
 
 
 @triton.jit
-def _attn_tile(
-    acc, l_i, m_i, q, q_pos, start_n, kv_end, bt_row_ptr, k_head_ptr, v_head_ptr,
-    stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+def _kv_tile_ptrs(
+    start_n, kv_end, bt_row_ptr, k_head_ptr, v_head_ptr, stride_kb, stride_ks, stride_vb,
+    stride_vs, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
 ):  # fmt: skip
-    """One BLOCK_N key tile of the online softmax; MASKED applies causality and kv_end."""
+    """Where the BLOCK_N keys from start_n live in the pages: K^T [HEAD_DIM, BLOCK_N] and
+    V [BLOCK_N, HEAD_DIM] pointers, the key positions and which of them are < kv_end."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     n_valid = offs_n < kv_end
@@ -96,20 +97,42 @@ def _attn_tile(
     v_rows = page * stride_vb + in_page * stride_vs
     k_ptrs = k_head_ptr + k_rows[None, :] + offs_d[:, None]
     v_ptrs = v_head_ptr + v_rows[:, None] + offs_d[None, :]
-    if MASKED:  # noqa: SIM108 (a constexpr branch; keep the unmasked load mask-free)
-        k_t = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
-    else:
-        k_t = tl.load(k_ptrs)
+    return k_ptrs, v_ptrs, offs_n, n_valid
+
+
+@triton.jit
+def _tile_softmax(acc, l_i, m_i, q, q_pos, k_t, offs_n, n_valid, qk_scale, MASKED: tl.constexpr):
+    """Scores of a key tile K^T [HEAD_DIM, BLOCK_N] folded into the online softmax: the tile's
+    probabilities p, the accumulator rescaled for them, and the new l_i, m_i."""
     qk = _dot(q, k_t.to(q.dtype), None)  # an fp8 cache is widened in registers (no-op otherwise)
     if MASKED:
         keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         qk = tl.where(keep, qk, float("-inf"))
     p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, qk_scale)
+    return p, acc * alpha[:, None], l_i, m_i
+
+
+@triton.jit
+def _attn_tile(
+    acc, l_i, m_i, q, q_pos, start_n, kv_end, bt_row_ptr, k_head_ptr, v_head_ptr,
+    stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N key tile of the online softmax; MASKED applies causality and kv_end."""
+    k_ptrs, v_ptrs, offs_n, n_valid = _kv_tile_ptrs(
+        start_n, kv_end, bt_row_ptr, k_head_ptr, v_head_ptr, stride_kb, stride_ks, stride_vb,
+        stride_vs, PAGE_SIZE, HEAD_DIM, BLOCK_N, MASKED)  # fmt: skip
+    if MASKED:  # noqa: SIM108 (a constexpr branch; keep the unmasked load mask-free)
+        k_t = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+    else:
+        k_t = tl.load(k_ptrs)
+    p, acc, l_i, m_i = _tile_softmax(acc, l_i, m_i, q, q_pos, k_t, offs_n, n_valid, qk_scale,
+                                     MASKED)  # fmt: skip
     if MASKED:  # noqa: SIM108
         v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
     else:
         v = tl.load(v_ptrs)
-    acc = _dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    acc = _dot(p.to(q.dtype), v.to(q.dtype), acc)
     return acc, l_i, m_i
 
 

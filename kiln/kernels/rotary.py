@@ -90,7 +90,8 @@ def _rotary_kernel(
     STORE_K: tl.constexpr, WRITE_CACHE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_inputs(USE_PDL)
+    # positions, slots and the table are the engine's inputs, not the previous kernel's output:
+    # loaded before the wait, their chain of dependent loads overlaps that kernel
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -98,6 +99,9 @@ def _rotary_kernel(
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + offs_d, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + offs_d, mask=d_mask,
                   other=0.0)[None, :]  # fmt: skip
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+    wait_for_inputs(USE_PDL)
     k_src = k_ptr + tok * stride_kt
     _rope_heads(q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, stride_qh, stride_qoh,
                 num_heads, cos, sin, offs_d, d_mask, 1.0, HALF, HEAD_DIM, BLOCK_QH, BLOCK_TAIL,
@@ -106,8 +110,7 @@ def _rotary_kernel(
         _rope_heads(k_src, k_out_ptr + tok * stride_kot, stride_kh, stride_koh, num_kv_heads,
                     cos, sin, offs_d, d_mask, 1.0, HALF, HEAD_DIM, BLOCK_KH, BLOCK_TAIL, False,
                     FP8_MAX)  # fmt: skip
-    if WRITE_CACHE:
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if WRITE_CACHE:  # noqa: SIM102 (a constexpr branch around a run-time one)
         if slot >= 0:  # < 0: batch padding, nothing to store
             block = slot // block_size
             offset = slot % block_size
