@@ -281,20 +281,6 @@ def _load_words(w_rows, cols, live, KW, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_group_params(s_ptr, z_ptr, rows, stride_sn, stride_zn, cols, live, KW,
-                       WPG: tl.constexpr, HAS_ZEROS: tl.constexpr):  # fmt: skip
-    """Scale and zero point [BLOCK_N, len(cols)] of the group of each thread's words at ``cols``
-    (zero: a placeholder unless HAS_ZEROS); none if not ``live``, as in _load_words."""
-    g = tl.minimum(cols, KW - 1) // WPG  # masked columns have p = xs = 0: any group will do
-    tile = tl.full([1, cols.shape[0]], 1, tl.int1) & live
-    s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :], mask=tile, other=0.0)
-    z = s
-    if HAS_ZEROS:
-        z = tl.load(z_ptr + rows[:, None] * stride_zn + g[None, :], mask=tile, other=0)
-    return s, z
-
-
-@triton.jit
 def _wq_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, out_ptr,
     M, N, KW, kw_per_split,
@@ -315,11 +301,10 @@ def _wq_gemv_kernel(
     weight reads after the first come from L2): 3-D tensors with an M axis made Triton shuffle
     the weights between layouts.
 
-    The words of the next tile (with their scales and zero points) are loaded before the
-    current one is multiplied (in registers), and those of the first tile before
-    ``wait_for_inputs``: the weights do not depend on the previous kernel, so with PDL the
-    program's first loads overlap that kernel's tail instead of starting after it, and a
-    program's load and FMA phases overlap instead of taking turns.
+    The words of the next tile are loaded before the current one is multiplied (in registers),
+    and those of the first tile before ``wait_for_inputs``: the weights do not depend on the
+    previous kernel, so with PDL the program's first loads overlap that kernel's tail instead of
+    starting after it, and a program's load and FMA phases overlap instead of taking turns.
     """
     BLOCK_C: tl.constexpr = BLOCK_KW // 4
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -342,24 +327,11 @@ def _wq_gemv_kernel(
     kw_begin = pid_k * kw_per_split
     kw_end = tl.minimum(kw_begin + kw_per_split, KW)
     packed = _load_words(w_rows, kw_begin + offs_w, kw_begin < kw_end, KW, EVEN_K)
-    if WPG > 0:  # group scales (and zeros) of the tile's words, [BLOCK_N, BLOCK_C]
-        s_next, z_next = _load_group_params(s_ptr, z_ptr, rows, stride_sn, stride_zn,
-                                            kw_begin + offs_c, kw_begin < kw_end, KW, WPG,
-                                            HAS_ZEROS)  # fmt: skip
-    elif BITS != 16:  # one scale (and zero) a row
-        s_row = tl.load(s_ptr + rows * stride_sn).to(tl.float32)
-        if HAS_ZEROS:
-            z_row = tl.load(z_ptr + rows * stride_zn).to(tl.float32)
     wait_for_inputs(USE_PDL)
     for kw0 in range(kw_begin, kw_end, BLOCK_KW):
         words = packed
         packed = _load_words(w_rows, kw0 + BLOCK_KW + offs_w, kw0 + BLOCK_KW < kw_end, KW,
                              EVEN_K)  # fmt: skip
-        if WPG > 0:
-            s, z = s_next, z_next
-            s_next, z_next = _load_group_params(s_ptr, z_ptr, rows, stride_sn, stride_zn,
-                                                kw0 + BLOCK_KW + offs_c, kw0 + BLOCK_KW < kw_end,
-                                                KW, WPG, HAS_ZEROS)  # fmt: skip
         we, wo = tl.split(tl.reshape(words, [BLOCK_N, BLOCK_C, 2, 2]))
         w0, w2 = tl.split(we)
         w1, w3 = tl.split(wo)
@@ -375,7 +347,10 @@ def _wq_gemv_kernel(
         p, xs = _fma_word_plane(one, p, xs, w3, x_row, perm_ptr, smooth_ptr, c0 + 3, c0 + 3 < KW,
                                 BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
         if WPG > 0:  # scale this tile's partial sums: acc += s (2^BITS p - (2^BITS + z) xs)
+            g = tl.minimum(c0, KW - 1) // WPG  # masked columns have p = xs = 0
+            s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :])
             if HAS_ZEROS:
+                z = tl.load(z_ptr + rows[:, None] * stride_zn + g[None, :])
                 zx = (z.to(tl.float32) + CODE_SCALE) * xs[None, :]
             else:
                 zx = ((CODE_SCALE + ZERO_SYM) * xs)[None, :]
@@ -386,10 +361,15 @@ def _wq_gemv_kernel(
     if WPG > 0 or BITS == 16:  # group scales already applied; 16-bit: no scale
         y = tl.sum(acc, axis=1)
     elif W_FP8:
-        y = tl.sum(acc, axis=1) * s_row
+        y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows * stride_sn).to(tl.float32)
     else:
-        zc = z_row + CODE_SCALE if HAS_ZEROS else CODE_SCALE + ZERO_SYM
-        y = s_row * (tl.sum(acc, axis=1) * CODE_SCALE - zc * tl.sum(xacc, axis=0))
+        s = tl.load(s_ptr + rows * stride_sn).to(tl.float32)
+        if HAS_ZEROS:
+            zc = tl.load(z_ptr + rows * stride_zn).to(tl.float32)
+            zc = zc + CODE_SCALE
+        else:
+            zc = CODE_SCALE + ZERO_SYM
+        y = s * (tl.sum(acc, axis=1) * CODE_SCALE - zc * tl.sum(xacc, axis=0))
     dt = out_ptr.dtype.element_ty
     if GATED:  # gate and up rounded to the output dtype first, as the unfused path stores them
         gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
