@@ -15,7 +15,8 @@ FUSED_MAX_M rows a tensor-core tile kernel; above, one dequantization kernel int
 weight followed by cuBLAS (the same math, ``W`` rounded to x.dtype). The stored layout is
 kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): no kernel needs a repacked weight.
 ``gated=True`` (Llama's merged gate/up projection) returns silu(gate) * up instead of y: the
-CUDA-core GEMV computes it in its epilogue, every other path runs silu_and_mul after.
+CUDA-core GEMV computes it in its epilogue, every other path runs silu_and_mul after. The bias
+goes in the word-streaming kernels' epilogue where K is not split, else it is added after.
 W8A8 (FP8 / INT8 activations through cuBLAS) lives in ``kiln/quant/w8a8.py``.
 """
 
@@ -282,12 +283,12 @@ def _load_words(w_rows, cols, live, KW, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _wq_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, out_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, bias_ptr, out_ptr,
     M, N, KW, kw_per_split,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
-    ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+    ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """CUDA-core GEMV: y[m, n] for the row m = program_id(0) of x, FMAs in float32.
@@ -295,6 +296,7 @@ def _wq_gemv_kernel(
     GATED: W is a merged [gate; up] projection (N = 2 I rows) and the output is
     silu(y[:, :I]) * y[:, I:] [M, I]. A program takes BLOCK_N / 2 gate rows and the up rows that
     pair with them, so its epilogue holds both halves of each output (no split-K).
+    HAS_BIAS (no split-K either): y + b, rounded once, as F.linear's epilogue does.
 
     WPG: words per scale group (0: one group per row, applied after the K loop). w_ptr is the
     packed weight viewed as int32 [N, KW] (stride_wn in words). Rows of x are programs (their
@@ -327,6 +329,8 @@ def _wq_gemv_kernel(
     kw_begin = pid_k * kw_per_split
     kw_end = tl.minimum(kw_begin + kw_per_split, KW)
     packed = _load_words(w_rows, kw_begin + offs_w, kw_begin < kw_end, KW, EVEN_K)
+    if HAS_BIAS:  # a weight too: before the wait
+        bias = tl.load(bias_ptr + rows).to(tl.float32)
     wait_for_inputs(USE_PDL)
     for kw0 in range(kw_begin, kw_end, BLOCK_KW):
         words = packed
@@ -370,6 +374,8 @@ def _wq_gemv_kernel(
         else:
             zc = CODE_SCALE + ZERO_SYM
         y = s * (tl.sum(acc, axis=1) * CODE_SCALE - zc * tl.sum(xacc, axis=0))
+    if HAS_BIAS:
+        y += bias
     dt = out_ptr.dtype.element_ty
     if GATED:  # gate and up rounded to the output dtype first, as the unfused path stores them
         gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
@@ -411,12 +417,12 @@ def _mma_x(x_cols, perm_ptr, smooth_ptr, k, k_mask, m_mask, HAS_PERM: tl.constex
 
 @triton.jit
 def _wq_gemv_mma_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, out_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, smooth_ptr, bias_ptr, out_ptr,
     M, N, KW, kw_per_split,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
-    ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr, NATURAL: tl.constexpr,
+    ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr, NATURAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Tensor-core variant (swap AB): out^T[n, m] += W[n, k] x[m, k]^T.
@@ -425,7 +431,8 @@ def _wq_gemv_mma_kernel(
     the scale is per row; it is applied after the K loop) and rounded to x's dtype like the
     dequantized reference. NATURAL: the PER_WORD planes are joined in registers into the
     [BLOCK_N, PER_WORD BLOCK_KW] tile in input order, one dot against a contiguous x tile;
-    else one dot per code position against x[:, PER_WORD w + j] (strided loads).
+    else one dot per code position against x[:, PER_WORD w + j] (strided loads). HAS_BIAS (no
+    split-K): + b before the one rounding.
     """
     wait_for_inputs(USE_PDL)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -498,6 +505,8 @@ def _wq_gemv_mma_kernel(
     if WPG == 0:
         s = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc * s[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = _split_slice(out_ptr, pid_k, M, N) + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
@@ -721,8 +730,11 @@ def _gemv_launch(
     cfg: GemvConfig,
     out_dtype: torch.dtype | None = None,
     gated: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """gated (the FMA kernel only): silu(gate) * up of a merged [gate; up] weight, [M, N / 2]."""
+    """gated (the FMA kernel only): silu(gate) * up of a merged [gate; up] weight, [M, N / 2].
+    bias [N]: added in the kernel's epilogue without split-K (always when gated), else after the
+    split slices are summed."""
     m, k = x.shape
     out_dtype = out_dtype or x.dtype
     n, kw = words.shape
@@ -733,6 +745,7 @@ def _gemv_launch(
     assert not gated or (not cfg.mma and n % 2 == 0 and cfg.block_n % 2 == 0)
     split = 1 if gated else _gemv_split(cfg, n, kw, block_kw, x.device)
     kw_per_split = -(-kw // (split * block_kw)) * block_kw
+    bias_in_kernel = bias is not None and split == 1
     out = _output(m, n // 2 if gated else n, x.device, split, out_dtype)
     kernel = _wq_gemv_mma_kernel if cfg.mma else _wq_gemv_kernel
     block_m = max(cfg.block_m, 16) if cfg.mma else 1  # FMA kernel: one row of x per program
@@ -740,7 +753,8 @@ def _gemv_launch(
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), triton.cdiv(kw, kw_per_split))
     kernel[grid](
         x, words, scales, zeros if zeros is not None else scales, perm if perm is not None
-        else scales, smooth if smooth is not None else scales, out,
+        else scales, smooth if smooth is not None else scales,
+        bias if bias_in_kernel else scales, out,
         m, n, kw, kw_per_split,
         x.stride(0), words.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, out.stride(-2),
@@ -748,11 +762,14 @@ def _gemv_launch(
         HAS_SMOOTH=smooth is not None, WPG=wpg, CODE_SCALE=float(2**bits),
         ZERO_SYM=float(2 ** (bits - 1)),
         EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
-        **({"NATURAL": cfg.natural} if cfg.mma else {"GATED": gated}),
+        HAS_BIAS=bias_in_kernel, **({"NATURAL": cfg.natural} if cfg.mma else {"GATED": gated}),
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
-    return _reduce_splits(out, out_dtype)
+    out = _reduce_splits(out, out_dtype)
+    if bias is not None and not bias_in_kernel:
+        out += bias
+    return out
 
 
 def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -777,17 +794,14 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     (benchmarks/results/h100/quant_decode1_sweep.txt, kind w16).
 
     gated: W is a merged [gate; up] projection and the result silu(gate) * up [..., N / 2],
-    computed in the GEMV's epilogue (a bias is added first, so it takes silu_and_mul after)."""
-    if gated and bias is not None:
-        return silu_and_mul(dense_gemv(x, weight, bias, out_dtype, config))
+    computed in the GEMV's epilogue (after the bias, which the epilogue adds too)."""
     n, k = weight.shape
     assert weight.dtype == torch.bfloat16 and weight.stride() == (k, 1) and k % 8 == 0
     x2 = x.reshape(-1, k).contiguous()  # a no-op for rows already laid out densely
     words = weight.view(torch.int32)  # [N, K / 2]
     cfg = config or _dense_gemv_config(n, k)
-    out = _gemv_launch(x2, words, words, None, 16, k, None, None, False, cfg, out_dtype, gated)
-    if bias is not None:
-        out += bias
+    out = _gemv_launch(x2, words, words, None, 16, k, None, None, False, cfg, out_dtype, gated,
+                       bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -812,12 +826,15 @@ def wint_gemm_triton(
     config: GemmConfig | GemvConfig | None = None,
     out_dtype: torch.dtype | None = None,
     gated: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fused path: x [M, K] (contiguous rows) -> [M, N] in ``out_dtype`` (x.dtype by default).
+    """Fused path: x [M, K] (contiguous rows) -> x W^T + b [M, N] in ``out_dtype`` (x.dtype by
+    default).
 
     M <= SMALL_M (or a GemvConfig): the word-streaming kernels; else (or a GemmConfig) the
     tensor-core tile kernel. gated: silu(gate) * up [M, N / 2] of a merged [gate; up] weight,
-    in the CUDA-core GEMV's epilogue where that kernel runs, else by silu_and_mul after.
+    in the CUDA-core GEMV's epilogue where that kernel runs, else by silu_and_mul after. The
+    bias goes in that epilogue too, else it is added after the GEMM (before any silu_and_mul).
     """
     m, k = x.shape
     n = scales.shape[0]
@@ -835,7 +852,7 @@ def wint_gemm_triton(
     if isinstance(config, GemvConfig) and gemv_ok:
         fuse = gated and not config.mma
         out = _gemv_launch(x, words, scales, zeros, bits, group, perm, smooth, w_fp8, config,
-                           out_dtype, fuse)
+                           out_dtype, fuse, bias)
         return silu_and_mul(out) if gated and not fuse else out
     cfg = config if isinstance(config, GemmConfig) else _default_config(m, n, k, bits, x.device)
     block_k = min(cfg.block_k, next_power_of_2(k))
@@ -861,6 +878,8 @@ def wint_gemm_triton(
         **pdl(x.device),
     )  # fmt: skip
     out = _reduce_splits(out, out_dtype)
+    if bias is not None:
+        out += bias
     return silu_and_mul(out) if gated else out
 
 
@@ -999,15 +1018,10 @@ def wint_linear_triton(
     gated: bool = False,
 ) -> torch.Tensor:
     """``wint_linear`` without the device check: the Triton paths, picked by the rows of x."""
-    if gated and bias is not None:  # the bias goes in before the activation
-        return silu_and_mul(wint_linear_triton(x, qweight, scales, zeros, bits, group_size, perm,
-                                               smooth, bias, out_dtype))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if x2.shape[0] <= FUSED_MAX_M[bits]:
         out = wint_gemm_triton(x2, qweight, scales, zeros, bits, group_size, perm, smooth,
-                               out_dtype=out_dtype, gated=gated)
-        if bias is not None:
-            out += bias
+                               out_dtype=out_dtype, gated=gated, bias=bias)
     else:
         w = wint_dequant_triton(qweight, scales, zeros, bits, group_size, x.dtype, perm, smooth)
         out = linear(x2, w, bias, out_dtype)

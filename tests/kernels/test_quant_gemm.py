@@ -71,14 +71,15 @@ CASES = [  # (bits, group_size, symmetric, fp8)
 ]
 
 
-def check(fn, m, n, k, case, dtype, device="cpu", seed=0, extras=True):
+def check(fn, m, n, k, case, dtype, device="cpu", seed=0, extras=True, bias=False):
     bits, group_size, symmetric, fp8 = case
     gen = torch.Generator().manual_seed(seed)
     qweight, scales, zeros, w64 = make_weight(n, k, bits, group_size, symmetric, fp8, gen)
     x = torch.randn(m, k, generator=gen)
     perm = torch.randperm(k, generator=gen).to(torch.int32) if extras else None
     smooth = torch.rand(k, generator=gen) + 0.5 if extras else None
-    expected = naive(x.to(dtype), w64, perm, smooth)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    expected = naive(x.to(dtype), w64, perm, smooth) + (b.double() if bias else 0)
     to = lambda t: t.to(device) if t is not None else None
     out = fn(
         to(x.to(dtype)),
@@ -89,6 +90,7 @@ def check(fn, m, n, k, case, dtype, device="cpu", seed=0, extras=True):
         group_size,
         to(perm),
         to(smooth),
+        **({"bias": to(b)} if bias else {}),
     )
     assert out.dtype == dtype and out.shape == (m, n)
     assert_rel_close(out.cpu(), expected, TOL[dtype], f"{fn.__name__} m={m} {case} {dtype}")
@@ -126,20 +128,24 @@ GEMV_CONFIGS = [  # the small-M word-streaming kernels
 
 @needs_triton
 @pytest.mark.parametrize("config", CONFIGS)  # split-K (atomic), tiles smaller/larger than a group
-def test_fused_triton_configs(config):
-    fn = lambda *a: qg.wint_gemm_triton(*a, config=config)
+@pytest.mark.parametrize("bias", [False, True])  # added after the tile kernel
+def test_fused_triton_configs(config, bias):
+    fn = lambda *a, **kw: qg.wint_gemm_triton(*a, config=config, **kw)
     fn.__name__ = "wint_gemm_triton"
-    check(fn, 2 if config.block_m == 1 else 18, 33, 192, (4, 64, False, False), torch.float32)
+    check(fn, 2 if config.block_m == 1 else 18, 33, 192, (4, 64, False, False), torch.float32,
+          bias=bias)
 
 
 @needs_triton
 @pytest.mark.parametrize("config", GEMV_CONFIGS)
 @pytest.mark.parametrize("case", [(4, 64, False, False), (8, -1, True, False), (8, -1, True, True)])
-def test_gemv_configs(config, case):
-    fn = lambda *a: qg.wint_gemm_triton(*a, config=config)
+@pytest.mark.parametrize("bias", [False, True])  # in the epilogue without split-K, else after
+def test_gemv_configs(config, case, bias):
+    fn = lambda *a, **kw: qg.wint_gemm_triton(*a, config=config, **kw)
     fn.__name__ = "wint_gemm_triton"
     m = 18 if config.mma else 2
-    check(fn, m, 33, 192, case, torch.float32, seed=config.block_kw, extras=case[1] != 64)
+    check(fn, m, 33, 192, case, torch.float32, seed=config.block_kw, extras=case[1] != 64,
+          bias=bias)
 
 
 @needs_triton
@@ -185,16 +191,14 @@ def test_gated_gemv_is_the_unfused_path(case, dtype):
 @needs_triton
 @pytest.mark.parametrize("bias", [False, True])
 def test_gated_dense_gemv(bias):
-    """bf16 weights: fused without a bias; with one the bias goes in first (then the kernel)."""
+    """bf16 weights, fused with or without a bias (the epilogue adds it before the silu)."""
     gen = torch.Generator().manual_seed(21 + bias)
     weight = torch.randn(2 * 24, 64, generator=gen).bfloat16()
     x = torch.randn(1, 64, generator=gen)
     b = torch.randn(2 * 24, generator=gen) if bias else None
     out = qg.dense_gemv(x, weight, b, config=qg.GemvConfig(1, 4, 16), gated=True)
     plain = qg.dense_gemv(x, weight, b, config=qg.GemvConfig(1, 4, 16))
-    # fused: the kernel's own silu; the fallback's silu_and_mul is the reference on CPU
-    ref = silu_and_mul(plain) if bias else silu_and_mul_triton(plain)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(out, silu_and_mul_triton(plain), rtol=0, atol=0)
     y = x.double() @ weight.double().t() + (b.double() if bias else 0)
     assert_rel_close(out.double(), torch.nn.functional.silu(y[:, :24]) * y[:, 24:], 1e-5)
 
@@ -202,7 +206,8 @@ def test_gated_dense_gemv(bias):
 @needs_triton
 def test_gated_falls_back_off_the_fma_gemv():
     """Where the epilogue cannot take it (the tensor-core word kernel, the tile kernel, M past
-    the GEMV, a bias) the gated call is the plain one followed by silu_and_mul."""
+    the GEMV) the gated call is the plain one followed by silu_and_mul; with a bias the FMA
+    GEMV's epilogue adds it and then applies silu(gate) * up itself."""
     x, (qweight, scales, zeros, bits, group_size) = _gated_operands((4, 64, False, False), 24,
                                                                     128, seed=5)
     x = torch.cat([x] * 9)  # 18 rows
@@ -215,7 +220,7 @@ def test_gated_falls_back_off_the_fma_gemv():
     out = qg.wint_linear_triton(x[:1], qweight, scales, zeros, bits, group_size, bias=bias,
                                 gated=True)
     plain = qg.wint_linear_triton(x[:1], qweight, scales, zeros, bits, group_size, bias=bias)
-    torch.testing.assert_close(out, silu_and_mul(plain), rtol=0, atol=0)
+    torch.testing.assert_close(out, silu_and_mul_triton(plain), rtol=0, atol=0)
 
 
 def test_gated_wrapper_on_cpu_is_reference():
@@ -270,6 +275,14 @@ def test_act_quant_ref_bounds(kind):
 @pytest.mark.parametrize("m", [1, 7, 16, 64, 300])  # fused and dequantize + cuBLAS paths
 def test_gpu(case, m):
     check(qg.wint_linear, m, 4096, 4096, case, torch.bfloat16, device="cuda", seed=m)
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("m", [1, 4])
+def test_gpu_bias_in_the_gemv_epilogue(case, m):
+    """Qwen2's qkv bias at decode: added in the GEMV's epilogue (no separate add)."""
+    check(qg.wint_linear, m, 4096, 4096, case, torch.bfloat16, device="cuda", seed=m, bias=True)
 
 
 @gpu
@@ -350,3 +363,6 @@ def test_gpu_dense_gemv(n, k):
     logits = qg.dense_gemv(x, weight, out_dtype=torch.float32)
     assert logits.dtype == torch.float32
     assert_rel_close(logits.double(), ref, 1e-5, f"bf16 {n}x{k}, float32 out")
+    bias = torch.randn(n, generator=gen).bfloat16().cuda()
+    assert_rel_close(qg.dense_gemv(x, weight, bias).double(), ref + bias.double(), 1e-2,
+                     f"bf16 {n}x{k} + bias")
