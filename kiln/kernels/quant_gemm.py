@@ -39,8 +39,11 @@ from kiln.kernels._triton import (
 from kiln.kernels.activation import silu_and_mul, silu_mul
 
 FP8_DTYPE = torch.float8_e4m3fn
-# above this many rows dequantize-then-cuBLAS beats the fused kernel (benchmarks/gpu_quant.py)
-FUSED_MAX_M = {4: 128, 8: 64}
+# above this many rows dequantize-then-cuBLAS beats the fused tile kernel (benchmarks/gpu_quant.py;
+# results/h100/fp8_swap_ab.txt, f83d070, int4 over Llama-3.1-8B's qkv, o, gate_up and down: fused
+# 357 us against 380 at M = 64, but 622 against 389 at M = 128, once the word-streaming
+# dequantization kernel replaced the slower one the earlier int4 threshold of 128 was set with)
+FUSED_MAX_M = {4: 64, 8: 64}
 SMALL_M = 16  # up to this many rows the word-streaming kernels (_wq_gemv_*) may run: decode
 GEMV_FMA_MAX_M = 4  # ... the CUDA-core one up to this many rows; see _gemv_config
 DENSE_GEMV_MAX_M = 1  # bf16 rows up to which dense_gemv replaces cuBLAS
