@@ -15,6 +15,10 @@ maximum length), but the partition length is computed in the kernel from the seq
 length: a short context is spread over as many splits as it has tiles, a long one over all of
 them, and the splits it does not need exit at once. With a single split (DIRECT) the first pass
 writes the output directly and no second pass runs.
+
+Under PDL a program loads its first tile's cached K/V before waiting for the kernel before it,
+which writes only this step's K/V (the newest position, loaded after the wait): at batch 1 a
+partition is often that single tile, so its reads overlap the previous kernel.
 """
 
 from __future__ import annotations
