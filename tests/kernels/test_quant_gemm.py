@@ -206,17 +206,24 @@ def test_gated_dense_gemv(bias):
 @needs_triton
 def test_gated_falls_back_off_the_fma_gemv():
     """Where the epilogue cannot take it (the tensor-core word kernel, the tile kernel, M past
-    the GEMV) the gated call is the plain one followed by silu_and_mul; with a bias the FMA
-    GEMV's epilogue adds it and then applies silu(gate) * up itself."""
+    the GEMV) the gated call is the plain one followed by silu_and_mul."""
     x, (qweight, scales, zeros, bits, group_size) = _gated_operands((4, 64, False, False), 24,
                                                                     128, seed=5)
     x = torch.cat([x] * 9)  # 18 rows
-    bias = torch.randn(48)
     for config in (qg.GemvConfig(16, 16, 16, mma=True), qg.GemmConfig(16, 16, 64), None):
         args = (x, qweight, scales, zeros, bits, group_size)
         fused = qg.wint_gemm_triton(*args, config=config, gated=True)
         torch.testing.assert_close(fused, silu_and_mul(qg.wint_gemm_triton(
             *args, config=config)), rtol=0, atol=0)
+
+
+@needs_triton
+def test_gated_gemv_with_a_bias_is_the_unfused_path():
+    """A bias goes in the FMA GEMV's epilogue before silu(gate) * up: bit for bit the plain
+    GEMV with its bias followed by the silu_and_mul kernel."""
+    x, (qweight, scales, zeros, bits, group_size) = _gated_operands((4, 64, False, False), 24,
+                                                                    128, seed=5)
+    bias = torch.randn(48)
     out = qg.wint_linear_triton(x[:1], qweight, scales, zeros, bits, group_size, bias=bias,
                                 gated=True)
     plain = qg.wint_linear_triton(x[:1], qweight, scales, zeros, bits, group_size, bias=bias)
