@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kiln.kernels.activation import silu_and_mul
+from kiln.kernels.gemm import dense_gemm_applies, gemm_triton
 from kiln.kernels.quant_gemm import dense_gemv, dense_gemv_applies, linear
 from kiln.parallel import SINGLE, TPContext
 
@@ -39,6 +40,10 @@ class DenseLinearMethod:
               gated: bool = False) -> torch.Tensor:
         if dense_gemv_applies(x, layer.weight):  # a decode row: the streaming GEMV
             return dense_gemv(x, layer.weight, layer.bias, out_dtype, gated=gated)
+        if dense_gemm_applies(x, layer.weight):  # a decode batch: the tile GEMM
+            y = gemm_triton(x.reshape(-1, x.shape[-1]).contiguous(), layer.weight, layer.bias,
+                            out_dtype, gated=gated)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         y = linear(x, layer.weight, layer.bias, out_dtype)
         return silu_and_mul(y) if gated else y
 

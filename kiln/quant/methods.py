@@ -179,14 +179,14 @@ class W8A8Method:
               gated: bool = False) -> torch.Tensor:
         if (self.kind == "fp8" and x.shape[:-1].numel() <= GEMV_FMA_MAX_M
                 and use_triton(x, layer.qweight)):
+            # silu_and_mul after the GEMV even where its epilogue could take it: with e4m3
+            # weights the fused epilogue ran slower end to end (H100 batch-1 decode, 285
+            # against 290 tok/s; bf16, int8 and int4 weights gain 1.5% from it), ab_runs.txt 16
             out = self.apply_weight_only(layer, x)
+            out = silu_and_mul(out) if gated else out
         else:
             out = w8a8_linear(x, layer.qweight, layer.w_scales, self.kind, layer.smooth,
-                              layer.act_scale, layer.bias)
-        # silu_and_mul after the GEMV even where its epilogue could take it: with e4m3 weights
-        # the fused epilogue ran slower end to end (H100 batch-1 decode, 285 against 290 tok/s;
-        # bf16, int8 and int4 weights gain 1.5% from it), ab_runs.txt 16
-        out = silu_and_mul(out) if gated else out
+                              layer.act_scale, layer.bias, gated=gated)
         return out if out_dtype is None else out.to(out_dtype)
 
     def apply_weight_only(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

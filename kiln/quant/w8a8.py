@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels._triton import next_power_of_2, pdl, tl, triton, use_triton, wait_for_inputs
-from kiln.kernels.fp8_gemm import fp8_gemm_triton
+from kiln.kernels.activation import silu_and_mul
+from kiln.kernels.gemm import gemm_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -131,24 +132,28 @@ def _int_mm_padded(xq: torch.Tensor, wq_t: torch.Tensor) -> torch.Tensor:
 
 def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, kind: str,
                 smooth: torch.Tensor | None = None, static_scale: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None,
-                triton_gemm: bool | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, triton_gemm: bool | None = None,
+                gated: bool = False) -> torch.Tensor:
     """y = x W^T + b with W8A8; x [..., K] -> [..., N] in x.dtype. wq is [N, K] row-major.
+    gated: W is a merged [gate; up] projection and y [..., N / 2] = silu(gate) * up (in the
+    Triton GEMM's epilogue where it runs).
 
-    FP8 GEMMs of at most FP8_GEMM_MAX_M rows run kiln/kernels/fp8_gemm.py instead of
+    FP8 GEMMs of at most FP8_GEMM_MAX_M rows run kiln/kernels/gemm.py instead of
     torch._scaled_mm (``triton_gemm`` forces either, for the benchmarks).
     """
     if not (use_triton(x, wq) and x.is_cuda):
-        return w8a8_linear_ref(x, wq, w_scales, kind, smooth, static_scale, bias)
+        y = w8a8_linear_ref(x, wq, w_scales, kind, smooth, static_scale, bias)
+        return silu_and_mul(y) if gated else y
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     xq, xs = quant_per_token_triton(x2, kind, smooth, static_scale)
-    if triton_gemm is None:  # every fp8_gemm config needs K % 128 == 0
+    if triton_gemm is None:  # every FP8 gemm_config needs K % 128 == 0
         triton_gemm = x2.shape[0] <= FP8_GEMM_MAX_M and x2.shape[1] % 128 == 0
     if kind == "fp8" and triton_gemm:
-        y = fp8_gemm_triton(xq, xs, wq, w_scales, bias, out_dtype=x.dtype)
-    elif kind == "fp8":
+        y = gemm_triton(xq, wq, bias, x.dtype, xs, w_scales, gated=gated)
+        return y.reshape(*x.shape[:-1], -1)
+    if kind == "fp8":
         # row-wise scaling takes bf16 output only; [K, N] column-major is wq.t()
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scales.float()[None, :],
                              out_dtype=torch.bfloat16, bias=None if bias is None
@@ -158,6 +163,7 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, kind:
         y = (acc.float() * xs * w_scales.float()[None, :]).to(x.dtype)
         if bias is not None:
             y += bias
+    y = silu_and_mul(y) if gated else y
     return y.reshape(*x.shape[:-1], -1)
 
 

@@ -1,0 +1,210 @@
+"""Tensor-core GEMM for decode batch sizes, 16-bit or FP8 (W8A8) operands, split-K, Triton.
+
+    y[m, n] = sum_k x[m, k] w[n, k] (+ b[n])                          x, w: bf16 / fp16
+    y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] wq[n, k] (+ b[n])        xq, wq: float8 e4m3
+
+At a few dozen rows a GEMM is bound by streaming the weights, and what matters is that every SM
+keeps enough bytes in flight. cuBLAS reads a 16-bit [N, K] weight at 2.3-2.8 TB/s at M = 64 on an
+H100 and torch._scaled_mm an e4m3 one at 1.1-2.4 TB/s (benchmarks/results/h100/fp8_swap_ab.txt),
+the narrow layers (qkv, o_proj, down_proj: N <= 6144) being the worst: a grid of one program
+per output tile leaves SMs idle or starves each of them. Here the grid is (column tiles x K
+splits x row tiles): SPLIT_K programs share an output tile, each streams its K / SPLIT_K slice
+through a deep software pipeline and stores a float32 partial; the last of them to arrive (an
+atomic count per tile) sums the partials in a fixed order, so the result does not depend on
+which program came last, applies scales and bias, writes y and re-arms the count to zero for
+the next call (and the next CUDA graph replay).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from kiln.kernels._triton import num_sms, pdl, tl, triton, use_triton, wait_for_inputs
+from kiln.kernels.activation import silu_and_mul_ref, silu_mul
+
+_MAX_TILES = 8192  # output tiles a split-K call may have (its arrival counts)
+# 16-bit rows up to which gemm_triton replaces cuBLAS for dense weights: at M = 16-64 it matches
+# or beats cuBLAS on every Llama-3.1-8B layer (gemm_sweep.txt) and keeps the step PDL-chained;
+# at 128 its 64-row tiles lose (gate_up 166 against 89 us)
+DENSE_MAX_M = 64
+
+
+class GemmTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_mask, n_mask,
+                pid_n, N, stride_ym, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] float32 over weight ``rows`` -> y, with the row and column scales,
+    the bias and, GATED, silu(gate) * up of the interleaved gate / up columns."""
+    y = acc
+    if SCALED:
+        sx = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+        sw = tl.load(ws_ptr + rows, mask=n_mask, other=0.0)
+        y = y * sx[:, None] * sw[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    dt = y_ptr.dtype.element_ty
+    if GATED:  # gate and up rounded to the output dtype first, as the unfused path stores them
+        gate, up = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
+        y = silu_mul(gate.to(dt).to(tl.float32), up.to(dt))
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_mask = offs_n < N // 2
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(dt), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])  # the batch size: no new variant per step shape
+def _gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """N: weight rows. Row tiles are the fastest grid axis, so the programs that share a weight
+    tile run together and read it from HBM once."""
+    wait_for_inputs(USE_PDL)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    k_len = K // SPLIT_K  # a multiple of BLOCK_K (checked by the launcher)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tile columns
+    # GATED: tile column 2 i is gate row pid_n BLOCK_N / 2 + i, column 2 i + 1 the up row N / 2
+    # after it, so one dot serves both and the epilogue pairs them
+    rows = offs_n // 2 + (offs_n % 2) * (N // 2) if GATED else offs_n
+    offs_k = pid_k * k_len + tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, k_len, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SPLIT_K == 1:
+        _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_mask, n_mask,
+                    pid_n, N, stride_ym, SCALED, HAS_BIAS, GATED, BLOCK_M, BLOCK_N)
+    else:
+        # partials: [SPLIT_K, M, N] float32, in tile-column order
+        part_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tile_mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(part_ptrs + pid_k * M * N, acc, mask=tile_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the count says so
+        count = count_ptr + pid_n * tl.num_programs(0) + pid_m
+        if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(SPLIT_K):  # .cg: from L2, where the other programs' stores landed
+                acc += tl.load(part_ptrs + s * M * N, mask=tile_mask, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(count, 0)
+            _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_mask,
+                        n_mask, pid_n, N, stride_ym, SCALED, HAS_BIAS, GATED, BLOCK_M, BLOCK_N)
+
+
+def gemm_config(m: int, n: int, k: int, element_bytes: int, sms: int) -> GemmTiles:
+    """Tiles from the H100 sweep (benchmarks/results/h100/gemm_sweep.txt, M = 16 ... 64).
+
+    Rows: one 64-row tile (the wgmma shape). Columns: layers whose 64-column tiles would fill
+    at most half the SMs (o_proj and down_proj, N = 4096) take 32 columns a program, 8 warps
+    and a 6-deep pipeline; wider ones (qkv, gate_up) 64 columns, with 256-deep K steps in FP8
+    (128 where K is not a multiple of 256); 16-bit layers wide enough for one 128-column
+    program per SM (gate_up, the LM head) 128 columns, halving the activation re-reads. An FP8 down_proj (K >= 8192) at M <= 32 splits K in
+    two: 32 against 43 us at M = 16. Every config needs K % (block_k * split_k) == 0.
+    """
+    fp8 = element_bytes == 1
+    if not fp8 and triton.cdiv(n, 128) >= sms:  # gate_up, lm_head: 82.8 against 86.1 us
+        return GemmTiles(64, 128, 128, 1, 4, 3)
+    if triton.cdiv(n, 64) > sms // 2:
+        return GemmTiles(64, 64, 256 if fp8 and k % 256 == 0 else 128, 1, 4, 3 if fp8 else 4)
+    if fp8 and m <= 32 and k >= 8192 and k % 512 == 0:
+        return GemmTiles(64, 64, 256, 2, 4, 4)
+    return GemmTiles(64, 32, 128, 1, 8, 6)
+
+
+@functools.lru_cache(maxsize=16)
+def _arrival_counts(device: torch.device) -> torch.Tensor:
+    """Zeroed per-tile counts, shared by every split-K call on ``device`` (each call re-arms the
+    counts it used; calls on one stream never overlap past the PDL wait)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the split-K GEMM's counts must be allocated outside CUDA graph "
+                           "capture: run one eager call first (the engine's warm-up does)")
+    return torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+
+
+def dense_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gemm_triton`` runs x [..., K] @ weight^T for a dense layer: CUDA, 16-bit x and
+    weight of one dtype, contiguous weight rows, K a multiple of 128 (every 16-bit config's K
+    step) and at most DENSE_MAX_M rows."""
+    k = weight.shape[-1]
+    return (use_triton(x, weight) and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dim() == 2
+            and weight.stride() == (k, 1) and k % 128 == 0 and x.numel() <= DENSE_MAX_M * k)
+
+
+def gemm_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None, x_scales: torch.Tensor | None = None,
+                w_scales: torch.Tensor | None = None, *, gated: bool = False,
+                config: GemmTiles | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias) -> y [M, N] in out_dtype (x.dtype by default).
+
+    16-bit x and w, or e4m3 ones with x_scales [M, 1] and w_scales [N] float32 (both or none).
+    gated: w is a merged [gate; up] projection and y [M, N / 2] = silu(gate) * up.
+    """
+    m, k = x.shape
+    n = w.shape[0]
+    scaled = x_scales is not None
+    assert scaled == (w_scales is not None), "x_scales and w_scales come together"
+    out_dtype = out_dtype or (torch.bfloat16 if scaled else x.dtype)
+    cfg = config or gemm_config(m, n, k, x.element_size(), num_sms(x.device))
+    assert w.shape[1] == k and k % (cfg.block_k * cfg.split_k) == 0, \
+        f"K={k} must be a multiple of block_k * split_k = {cfg.block_k * cfg.split_k}"
+    assert x.stride(1) == 1 and w.stride(1) == 1
+    assert not gated or n % 2 == 0, f"a gated projection has an even number of rows, not {n}"
+    y = torch.empty(m, n // 2 if gated else n, dtype=out_dtype, device=x.device)
+    if m == 0:
+        return y
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    if cfg.split_k > 1:
+        assert grid[0] * grid[1] <= _MAX_TILES, f"{grid[0] * grid[1]} tiles > {_MAX_TILES}"
+        assert cfg.split_k * m * n < 2**31, "split-K partials too large for int32 offsets"
+        partials = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+        counts = _arrival_counts(x.device)
+    else:
+        partials = counts = y  # not read
+    _gemm_kernel[grid](
+        x, x_scales if scaled else y, w, w_scales if scaled else y,
+        bias if bias is not None else y, y, partials, counts, m, n, k,
+        x.stride(0), w.stride(0), y.stride(0),
+        SCALED=scaled, HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device),
+    )  # fmt: skip
+    return y
+
+
+def gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None, x_scales: torch.Tensor | None = None,
+             w_scales: torch.Tensor | None = None, *, gated: bool = False) -> torch.Tensor:
+    """The same product in float32 PyTorch (the test oracle); gated as the unfused path runs
+    it, y rounded to out_dtype before silu_and_mul."""
+    y = x.float() @ w.float().t()
+    if x_scales is not None:
+        y = y * x_scales.float() * w_scales.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(out_dtype or (torch.bfloat16 if x_scales is not None else x.dtype))
+    return silu_and_mul_ref(y) if gated else y
