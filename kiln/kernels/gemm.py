@@ -1,18 +1,23 @@
-"""Tensor-core GEMM for decode batch sizes, 16-bit or FP8 (W8A8) operands, split-K, Triton.
+"""Tensor-core GEMM for decode batch sizes, 16-bit or FP8 (W8A8) operands, Triton.
 
     y[m, n] = sum_k x[m, k] w[n, k] (+ b[n])                          x, w: bf16 / fp16
     y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] wq[n, k] (+ b[n])        xq, wq: float8 e4m3
 
-At a few dozen rows a GEMM is bound by streaming the weights, and what matters is that every SM
-keeps enough bytes in flight. cuBLAS reads a 16-bit [N, K] weight at 2.3-2.8 TB/s at M = 64 on an
-H100 and torch._scaled_mm an e4m3 one at 1.1-2.4 TB/s (benchmarks/results/h100/fp8_swap_ab.txt),
-the narrow layers (qkv, o_proj, down_proj: N <= 6144) being the worst: a grid of one program
-per output tile leaves SMs idle or starves each of them. Here the grid is (column tiles x K
-splits x row tiles): SPLIT_K programs share an output tile, each streams its K / SPLIT_K slice
-through a deep software pipeline and stores a float32 partial; the last of them to arrive (an
-atomic count per tile) sums the partials in a fixed order, so the result does not depend on
-which program came last, applies scales and bias, writes y and re-arms the count to zero for
-the next call (and the next CUDA graph replay).
+At a few dozen rows a GEMM is bound by streaming the weights. cuBLAS reads a 16-bit [N, K]
+weight at 2.3-2.8 TB/s at M = 64 on an H100 and torch._scaled_mm an e4m3 one at 1.1-2.4 TB/s
+(benchmarks/results/h100/gemm_sweep.txt, fp8_swap_ab.txt). Every program here re-reads the
+whole activation block [M, K] through L2, so a tile of BLOCK_N columns moves M / BLOCK_N bytes
+of activations per weight byte: the tiles are as wide as the SM count allows (gemm_config).
+Row tiles are the fastest grid axis, so the programs that share a weight tile run together and
+read it from HBM once.
+
+- gated: a merged [gate; up] projection gives silu(gate) * up straight from the epilogue; each
+  tile interleaves gate and up rows, so one dot serves both.
+- split-K (grid axis 2): SPLIT_K programs share an output tile, each streams K / SPLIT_K and
+  stores a float32 partial; the last to arrive (an atomic count per tile) sums the partials in
+  a fixed order, so the result does not depend on which program came last, applies scales,
+  bias and the gate, writes y and re-arms the count to zero for the next call (and the next
+  CUDA graph replay). It pays only where a tile's program would stream a long K alone.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from kiln.kernels.activation import silu_and_mul_ref, silu_mul
 _MAX_TILES = 8192  # output tiles a split-K call may have (its arrival counts)
 # 16-bit rows up to which gemm_triton replaces cuBLAS for dense weights: at M = 16-64 it matches
 # or beats cuBLAS on every Llama-3.1-8B layer (gemm_sweep.txt) and keeps the step PDL-chained;
-# at 128 its 64-row tiles lose (gate_up 166 against 89 us)
+# at 128 its 64-row tiles lose (gate_up 110 against 89 us)
 DENSE_MAX_M = 64
 
 
@@ -118,15 +123,17 @@ def _gemm_kernel(
 def gemm_config(m: int, n: int, k: int, element_bytes: int, sms: int) -> GemmTiles:
     """Tiles from the H100 sweep (benchmarks/results/h100/gemm_sweep.txt, M = 16 ... 64).
 
-    Rows: one 64-row tile (the wgmma shape). Columns: layers whose 64-column tiles would fill
-    at most half the SMs (o_proj and down_proj, N = 4096) take 32 columns a program, 8 warps
-    and a 6-deep pipeline; wider ones (qkv, gate_up) 64 columns, with 256-deep K steps in FP8
-    (128 where K is not a multiple of 256); 16-bit layers wide enough for one 128-column
-    program per SM (gate_up, the LM head) 128 columns, halving the activation re-reads. An FP8 down_proj (K >= 8192) at M <= 32 splits K in
-    two: 32 against 43 us at M = 16. Every config needs K % (block_k * split_k) == 0.
+    Rows: one 64-row tile (the wgmma shape). Columns:
+    - 16-bit layers wide enough for one 128-column program per SM (gate_up, the LM head): 128,
+      halving the activation re-reads of 64 (gate_up 82.8 against 86.1 us at M = 64);
+    - layers whose 64-column tiles fill more than half the SMs (qkv; FP8 gate_up): 64, with
+      256-deep K steps in FP8 (128 where K is not a multiple of 256);
+    - narrower ones (o_proj, down_proj: N = 4096): 32, 8 warps, a 6-deep pipeline; except an
+      FP8 down_proj (K >= 8192) at M <= 32, which splits K in two (32 against 43 us at M = 16).
+    Every config needs K % (block_k * split_k) == 0.
     """
     fp8 = element_bytes == 1
-    if not fp8 and triton.cdiv(n, 128) >= sms:  # gate_up, lm_head: 82.8 against 86.1 us
+    if not fp8 and triton.cdiv(n, 128) >= sms:
         return GemmTiles(64, 128, 128, 1, 4, 3)
     if triton.cdiv(n, 64) > sms // 2:
         return GemmTiles(64, 64, 256 if fp8 and k % 256 == 0 else 128, 1, 4, 3 if fp8 else 4)
