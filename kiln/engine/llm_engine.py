@@ -16,7 +16,7 @@ from kiln.cache.kv_cache_manager import KVCacheManager
 from kiln.config import EngineConfig
 from kiln.engine.inputs import PromptLike, check_prompt_length, tokenize_prompt
 from kiln.engine.model_runner import ModelRunner, StepResult
-from kiln.engine.overlap import InFlightStep, chain_decode, chainable
+from kiln.engine.overlap import InFlightStep, chain_step, chainable
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.sequence import apply_sampler_output, prompt_logprobs_to_dicts
@@ -155,7 +155,7 @@ class LLMEngine:
         it first and only then applies it, so each call returns the outputs of the step before.
         """
         prev, self._in_flight = self._in_flight, None
-        chained = chain_decode(prev, self.scheduler, self.kv) if prev is not None else None
+        chained = chain_step(prev, self.scheduler, self.kv) if prev is not None else None
         if chained is not None:
             out, token_ids = chained
             self.num_scheduled_last_step = len(out.scheduled)

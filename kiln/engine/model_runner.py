@@ -68,8 +68,9 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSeq],
                 lookahead_ids: torch.Tensor | None = None) -> BatchInputs:
-        """Flat inputs; ``lookahead_ids`` [num_seqs] are the tokens of a decode step whose
-        inputs the step still in flight is sampling (async scheduling), already on the device."""
+        """Flat inputs; ``lookahead_ids`` [num_tokens] are the input ids of a step chained to
+        the one still in flight (async scheduling: its sampled tokens, then the prompt chunks'
+        tokens), already on the device and laid out in the order of ``scheduled``."""
         tokens: list[int] = []
         starts, lens, tables = [], [], []
         for item in scheduled:
@@ -128,14 +129,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput,
                 lookahead_ids: torch.Tensor | None = None) -> StepResult:
-        """Launch the step; ``lookahead_ids`` as in ``prepare`` (then every row is a decode)."""
+        """Launch the step; ``lookahead_ids`` as in ``prepare``."""
         self.apply_cache_ops(out)
         if self._graph_step(out.scheduled):
             return self._graph_decode(out.scheduled, lookahead_ids)
         if lookahead_ids is None and self._graph_prefill_step(out.scheduled):
             return self._graph_prefill(out.scheduled[0])
         # single-token rows first, so attention can send them to the decode kernel (a stable
-        # sort: a lookahead step is all single-token rows and keeps its order)
+        # sort: a chained step comes in this order already, as its lookahead ids are laid out)
         scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
         batch = self.prepare(scheduled, lookahead_ids)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)

@@ -1,12 +1,13 @@
-"""Async scheduling: launch decode step N+1 before step N's sampled tokens reach the host.
+"""Async scheduling: launch step N+1 before step N's sampled tokens reach the host.
 
 A synchronous engine leaves the GPU idle while the host reads step N's tokens, appends them,
 checks stops, schedules and builds step N+1's inputs (about 0.35 ms a step at batch 1 on an
-H100, several ms at batch 512). When step N is a plain continuation (every running sequence
-samples in it, and nothing the host does with its token changes what step N+1 computes), step
-N+1 is scheduled at once: each sequence advances one position and its input token is step N's
-sampled token, read on the device. Only then does the host wait for step N and apply it, while
-the GPU runs step N+1.
+H100, several ms at batch 512, and the whole Python launch of an eager forward, ~37 ms for an
+8B model, when step N+1 carries a prompt chunk). When step N is a plain continuation (nothing
+the host does with its tokens changes what step N+1 computes), step N+1 is scheduled at once:
+each sequence that sampled in step N advances one position with step N's sampled token as its
+input, read on the device, and each prompt cut short by the token budget takes its next chunk.
+Only then does the host wait for step N and apply it, while the GPU runs step N+1.
 
 What only step N's tokens on the host can tell is handled one step late:
 
@@ -17,8 +18,8 @@ What only step N's tokens on the host can tell is handled one step late:
 - a sequence whose length limit step N reaches is known on the host and left out of step N+1.
 
 Everything else takes the synchronous path: waiting requests that could be admitted, swapped
-requests, prompt chunks, penalties and min_tokens (the sampler reads the outputs on the host),
-logprobs, the fork of n > 1 samples, and KV blocks running out (preemption).
+requests, penalties and min_tokens (the sampler reads the outputs on the host), logprobs and
+prompt logprobs, the fork of n > 1 samples, and KV blocks running out (preemption).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch
 
 from kiln.cache.kv_cache_manager import KVCacheManager
 from kiln.engine.model_runner import StepResult
+from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from kiln.engine.sequence import Sequence
 
 
 @dataclass
@@ -69,23 +72,25 @@ class InFlightStep:
                                [result.requests[r] for r in live], ids, None, [])
 
 
+def _chains(seq: Sequence, request: Request) -> bool:
+    """Whether what the sequence computes after this step is fixed before the host sees this
+    step's token: no fork to come, nothing the sampler reads from its outputs on the host."""
+    params = seq.params
+    return (request.forked and request.prompt_logprobs is None and not params.has_penalties
+            and len(seq.output_token_ids) >= params.min_tokens)
+
+
 def chainable(out: SchedulerOutput, result: StepResult) -> bool:
     """Whether a next step could start from this one's tokens before the host sees them."""
-    if result.logprobs is not None or result.prompt_logprobs or not result.seqs:
+    if result.logprobs is not None or result.prompt_logprobs:
         return False
-    if len(result.seqs) != len(out.scheduled):  # a prompt chunk that does not sample, a fork
-        return False
-    for seq, request in zip(result.seqs, result.requests, strict=True):
-        params = seq.params
-        if (not request.forked or params.has_penalties
-                or len(seq.output_token_ids) < params.min_tokens):
-            return False
-    return True
+    return bool(out.scheduled) and all(_chains(item.seq, item.request) for item in out.scheduled)
 
 
-def chain_decode(prev: InFlightStep, scheduler: Scheduler,
-                 kv: KVCacheManager) -> tuple[SchedulerOutput, torch.Tensor] | None:
-    """The decode step that continues ``prev``, with its input token ids on the device.
+def chain_step(prev: InFlightStep, scheduler: Scheduler,
+               kv: KVCacheManager) -> tuple[SchedulerOutput, torch.Tensor] | None:
+    """The step that continues ``prev``, with the input ids of all its tokens on the device:
+    a decode row for each sequence ``prev`` samples, the next chunk of each prompt it cut.
 
     None when the scheduler has to decide the next step (see the module docstring).
     """
@@ -93,14 +98,18 @@ def chain_decode(prev: InFlightStep, scheduler: Scheduler,
     if scheduler.swapped or (scheduler.waiting
                              and scheduler.num_running_seqs() < config.max_num_seqs):
         return None
+    sampled = {id(seq) for seq in prev.result.seqs}
     rows = [(row, seq, request) for row, (seq, request)
             in enumerate(zip(prev.result.seqs, prev.result.requests, strict=True))
             if not seq.finished]
+    cut = [item for item in prev.out.scheduled
+           if id(item.seq) not in sampled and not item.seq.finished]
     running = {id(seq) for request in scheduler.running for seq in request.active_seqs()}
-    if running != {id(seq) for _, seq, _ in rows}:  # someone the last step did not advance
-        return None
+    if running != {id(seq) for _, seq, _ in rows} | {id(item.seq) for item in cut}:
+        return None  # someone the last step did not advance
+    # prev's tokens are not applied on the host yet; every step before it is
     pending = {id(item.seq): item.num_new_tokens for item in prev.out.scheduled}
-    scheduled, index = [], []
+    decodes, index = [], []
     for row, seq, request in rows:
         params, num_out = seq.params, len(seq.output_token_ids) + 1
         if ((params.max_tokens is not None and num_out >= params.max_tokens)
@@ -109,11 +118,27 @@ def chain_decode(prev: InFlightStep, scheduler: Scheduler,
         item = ScheduledSeq(request, seq, 1, pending=pending[id(seq)])
         if not kv.allocate_slots(seq.seq_id, item.start + 1, item.start):
             return None  # out of blocks: the scheduler preempts
-        scheduled.append(item)
+        decodes.append(item)
         index.append(row)
-    if not scheduled or len(scheduled) > config.max_num_batched_tokens:
+    budget = config.max_num_batched_tokens - len(decodes)
+    chunks = []
+    for prev_item in cut:
+        seq = prev_item.seq
+        start = seq.num_computed_tokens + pending[id(seq)]
+        take = min(seq.num_tokens - start, budget)
+        if take <= 0 or not kv.allocate_slots(seq.seq_id, start + take, start):
+            return None
+        chunks.append(ScheduledSeq(prev_item.request, seq, take, pending=pending[id(seq)]))
+        budget -= take
+    if (not decodes and not chunks) or budget < 0:
         return None
     ids = prev.result.token_ids
     if index != list(range(ids.shape[0])):
         ids = ids[torch.tensor(index, dtype=torch.int64).to(ids.device, non_blocking=True)]
-    return SchedulerOutput(scheduled=scheduled, copies=kv.take_pending_copies()), ids
+    if chunks:  # laid out as the runner orders rows: single-token rows first
+        chunks.sort(key=lambda item: item.num_new_tokens != 1)
+        prompt = [t for item in chunks
+                  for t in item.seq.token_slice(item.start, item.start + item.num_new_tokens)]
+        ids = torch.cat([ids, torch.tensor(prompt, dtype=ids.dtype).to(ids.device,
+                                                                       non_blocking=True)])
+    return SchedulerOutput(scheduled=decodes + chunks, copies=kv.take_pending_copies()), ids

@@ -34,8 +34,9 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """This chunk reaches the sequence's last token, so its logits pick the next one."""
-        return self.pending > 0 or self.start + self.num_new_tokens == self.seq.num_tokens
+        """This chunk reaches the sequence's last token, so its logits pick the next one (past
+        it: a decode row whose input is the token the step in flight samples)."""
+        return self.start + self.num_new_tokens >= self.seq.num_tokens
 
 
 @dataclass

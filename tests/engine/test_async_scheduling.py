@@ -16,14 +16,14 @@ from kiln.engine import overlap
 def chain_count(monkeypatch):
     """How many steps were launched from the step in flight (proves the path ran)."""
     calls = {"chained": 0}
-    real = overlap.chain_decode
+    real = overlap.chain_step
 
     def spy(*args, **kwargs):
         result = real(*args, **kwargs)
         calls["chained"] += result is not None
         return result
 
-    monkeypatch.setattr("kiln.engine.llm_engine.chain_decode", spy)
+    monkeypatch.setattr("kiln.engine.llm_engine.chain_step", spy)
     return calls
 
 
@@ -113,3 +113,33 @@ def test_abort_while_a_step_is_in_flight(tiny_llama, chain_count):
     assert chain_count["chained"] > 0
     assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
     engine.kv.check_integrity()
+
+
+def test_prompt_chunks_are_chained_too(tiny_llama, monkeypatch):
+    """A prompt the token budget cuts takes its next chunk in a step launched while the step
+    before it is in flight (next to the decodes of the others), with the same outputs."""
+    chunk_steps = []
+    real = overlap.chain_step
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if result is not None:
+            out, ids = result
+            chunk_steps.append(sum(item.num_new_tokens > 1 for item in out.scheduled))
+            assert ids.shape[0] == out.num_tokens
+        return result
+
+    monkeypatch.setattr("kiln.engine.llm_engine.chain_step", spy)
+    rng = random.Random(5)
+    # under a 48-token budget: short prompts that decode while the last, long one is prefilled
+    # in chunks (admissions take the synchronous path, so the chunks after the last one chain)
+    lengths = [20, 35, 12, 40, 230]
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+    params = [kiln.SamplingParams(max_tokens=rng.randint(4, 12), temperature=0.0,
+                                  ignore_eos=True) for _ in prompts]
+    options = {"block_size": 4, "max_num_batched_tokens": 48}
+    sync = _outputs(make_engine(tiny_llama, async_scheduling=False, **options), prompts, params)
+    assert chunk_steps == []
+    overlapped = _outputs(make_engine(tiny_llama, **options), prompts, params)
+    assert overlapped == sync
+    assert sum(n > 0 for n in chunk_steps) >= 3, chunk_steps
