@@ -28,6 +28,7 @@ from kiln.sampling.sampler import (
     SamplingMetadata,
     compute_prompt_logprobs,
 )
+from kiln.upload import upload
 
 
 @dataclass
@@ -105,8 +106,7 @@ class ModelRunner:
         return BatchInputs(input_ids, self._to_device(positions, torch.int64), meta)
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype=dtype,
-                                                               non_blocking=True)
+        return upload(torch.from_numpy(np.ascontiguousarray(array)).to(dtype), self.device)
 
     def _metadata(self, slots: np.ndarray | None, cu: np.ndarray, seq_lens: np.ndarray,
                   table: np.ndarray, lens: np.ndarray) -> AttentionMetadata:
@@ -147,7 +147,7 @@ class ModelRunner:
         if not sampling:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return StepResult([], [], empty, None, prompt_lps)
-        rows = torch.tensor([row for _, row in sampling], device=self.device)
+        rows = upload(torch.tensor([row for _, row in sampling]), self.device)
         logits = self.model.compute_logits(hidden[rows])
         return self._sample(logits, [(item, i) for i, (item, _) in enumerate(sampling)],
                             prompt_lps)
@@ -200,7 +200,7 @@ class ModelRunner:
             seqs += group
             requests += [item.request] * len(group)
         if index != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(index, device=self.device)]
+            logits = logits[upload(torch.tensor(index), self.device)]
         meta = SamplingMetadata.build(
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],

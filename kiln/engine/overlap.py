@@ -33,6 +33,7 @@ from kiln.engine.model_runner import StepResult
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kiln.engine.sequence import Sequence
+from kiln.upload import upload
 
 
 @dataclass
@@ -134,11 +135,10 @@ def chain_step(prev: InFlightStep, scheduler: Scheduler,
         return None
     ids = prev.result.token_ids
     if index != list(range(ids.shape[0])):
-        ids = ids[torch.tensor(index, dtype=torch.int64).to(ids.device, non_blocking=True)]
+        ids = ids[upload(torch.tensor(index, dtype=torch.int64), ids.device)]
     if chunks:  # laid out as the runner orders rows: single-token rows first
         chunks.sort(key=lambda item: item.num_new_tokens != 1)
         prompt = [t for item in chunks
                   for t in item.seq.token_slice(item.start, item.start + item.num_new_tokens)]
-        ids = torch.cat([ids, torch.tensor(prompt, dtype=ids.dtype).to(ids.device,
-                                                                       non_blocking=True)])
+        ids = torch.cat([ids, upload(torch.tensor(prompt, dtype=ids.dtype), ids.device)])
     return SchedulerOutput(scheduled=decodes + chunks, copies=kv.take_pending_copies()), ids

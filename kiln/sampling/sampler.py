@@ -16,6 +16,7 @@ from torch import Tensor
 
 from kiln.kernels.argmax import argmax_rows
 from kiln.sampling.params import SamplingParams
+from kiln.upload import upload
 
 _MASK64 = (1 << 64) - 1
 # Exp(1) draws can be exactly 0 (CPU computes -log(1 - u) with u = 0); 0 / 0 would be NaN and
@@ -44,11 +45,7 @@ def generator_for(seed: int, sample_index: int, device: torch.device | str) -> t
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    t = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        # Pinned source lets the copy overlap with the host building the rest of the step.
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return upload(torch.tensor(data, dtype=dtype), device)
 
 
 def _pad(rows: Sequence[Sequence[int]]) -> list[list[int]]:
