@@ -7,6 +7,10 @@ the weight multiply, exactly as Hugging Face's LlamaRMSNorm does. With a residua
 forms `residual = x + residual` (rounded to x.dtype, as an eager `x + residual` would) and returns
 `(rms_norm(residual), residual)`: one pass reads x and residual once and writes both outputs,
 instead of three eager kernels. Outputs are new tensors of x.dtype.
+
+With a ``RowQuant`` the normalized rows come out as W8A8 activation codes and per-row scales
+(``QuantizedRows``) for the FP8 / INT8 GEMM after the norm, computed from the row exactly as the
+standalone quantizer would read it, so that kernel and its pass over memory disappear.
 """
 
 from __future__ import annotations
@@ -14,14 +18,17 @@ from __future__ import annotations
 import torch
 
 from kiln.kernels._triton import next_power_of_2, pdl, tl, triton, use_triton, wait_for_inputs
+from kiln.kernels.row_quant import QuantizedRows, RowQuant, quantize_rows_ref, row_codes
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, smooth_ptr, static_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr, IS_FP8: tl.constexpr, HAS_SMOOTH: tl.constexpr, STATIC: tl.constexpr,
+    QMAX_: tl.constexpr, MIN_AMAX_: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -29,6 +36,8 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    if HAS_SMOOTH:
+        smooth = tl.load(smooth_ptr + cols, mask=mask, other=0.0)
     wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -38,7 +47,17 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    out = (normed * w).to(out_ptr.dtype.element_ty)
+    out = (normed * w).to(x_ptr.dtype.element_ty)
+    if QUANT:  # the row as the unfused path stores it, then quantized
+        v = out.to(tl.float32)
+        if HAS_SMOOTH:
+            v *= smooth
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(v), axis=0), MIN_AMAX_) / QMAX_
+        tl.store(scale_ptr + row, scale)
+        out = row_codes(v, scale, QMAX_, IS_FP8, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
@@ -47,8 +66,9 @@ def rms_norm_triton(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    quant: RowQuant | None = None,
     num_warps: int | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """Launch the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} != ({hidden},)"
@@ -56,38 +76,48 @@ def rms_norm_triton(
     x2 = x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype if quant is None else quant.dtype, device=x.device)
     out2 = out.view(-1, hidden)
+    scales = (torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+              if quant is not None else weight)  # weight: a placeholder QUANT=False never reads
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype
         res2 = residual.reshape(-1, hidden)
         if res2.stride(-1) != 1:
             res2 = res2.contiguous()
-        res_out = torch.empty_like(out)
+        res_out = torch.empty_like(x)
         res_out2 = res_out.view(-1, hidden)
     else:
         res2 = res_out2 = x2  # unused: HAS_RESIDUAL=False prunes every access
+    normed = out if quant is None else QuantizedRows(out, scales)
     num_rows = x2.shape[0]
     if num_rows == 0:
-        return out if residual is None else (out, res_out)
+        return normed if residual is None else (normed, res_out)
     block = next_power_of_2(hidden)
     assert block <= 65536, f"hidden size {hidden} too large for one row per program"
     if num_warps is None:
         # ~16 elements per thread: 16-byte bf16 vectors with few registers per thread
         num_warps = min(max(block // 512, 1), 16)
+    smooth = quant.smooth if quant is not None else None
+    static = quant.static_scale if quant is not None else None
     _rms_norm_kernel[(num_rows,)](
-        x2, res2, weight, out2, res_out2,
+        x2, res2, weight, out2, res_out2, scales,
+        smooth if smooth is not None else scales, static if static is not None else scales,
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
         hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, QUANT=quant is not None,
+        IS_FP8=quant is not None and quant.dtype != torch.int8, HAS_SMOOTH=smooth is not None,
+        STATIC=static is not None, QMAX_=quant.qmax if quant else 0.0,
+        MIN_AMAX_=quant.min_amax if quant else 0.0, BLOCK=block, num_warps=num_warps,
         **pdl(x.device),
     )  # fmt: skip
-    return out if residual is None else (out, res_out)
+    return normed if residual is None else (normed, res_out)
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    quant: RowQuant | None = None,
+) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """Plain PyTorch RMSNorm (the CPU path and the test oracle)."""
     if residual is not None:
         residual = x + residual
@@ -95,14 +125,19 @@ def rms_norm_ref(
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     out = (weight.float() * normed.float()).to(x.dtype)
+    if quant is not None:
+        codes, scales = quantize_rows_ref(out.reshape(-1, out.shape[-1]), quant)
+        out = QuantizedRows(codes.reshape(out.shape), scales)
     return out if residual is None else (out, residual)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim of x [..., hidden]; with `residual`: (out, x + residual)."""
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    quant: RowQuant | None = None,
+) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """RMSNorm over the last dim of x [..., hidden]; with `residual`: (out, x + residual); with
+    `quant`: the normalized rows as W8A8 activation codes (``QuantizedRows``)."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if use_triton(*tensors):
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, quant)
+    return rms_norm_ref(x, weight, eps, residual, quant)

@@ -16,6 +16,7 @@ from torch import nn
 from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.gemm import dense_gemm_applies, gemm_triton
 from kiln.kernels.quant_gemm import dense_gemv, dense_gemv_applies, linear
+from kiln.kernels.row_quant import QuantizedRows, RowQuant
 from kiln.parallel import SINGLE, TPContext
 
 
@@ -28,12 +29,21 @@ class LinearMethod(Protocol):
 
     def process_weights_after_loading(self, layer: Linear) -> None: ...
 
-    def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
-              gated: bool = False) -> torch.Tensor: ...
+    def apply(self, layer: Linear, x: torch.Tensor | QuantizedRows,
+              out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor: ...
+
+    def input_quant(self, layer: Linear, num_rows: int) -> RowQuant | None:
+        """How ``apply`` wants ``num_rows`` input rows quantized, so that the RMSNorm before the
+        layer can write them as codes (``apply`` then gets ``QuantizedRows``); None: as they
+        are."""
+        ...
 
 
 class DenseLinearMethod:
     def process_weights_after_loading(self, layer: Linear) -> None:
+        return None
+
+    def input_quant(self, layer: Linear, num_rows: int) -> RowQuant | None:
         return None
 
     def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -72,7 +82,10 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def input_quant(self, num_rows: int) -> RowQuant | None:
+        return self.method.input_quant(self, num_rows)
+
+    def forward(self, x: torch.Tensor | QuantizedRows, gated: bool = False) -> torch.Tensor:
         """gated: this is a merged [gate; up] projection and the result silu(gate) * up
         [..., I] (column parallel: this rank's slice of I, which the row-parallel projection
         after it takes)."""

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kiln.kernels.rms_norm import rms_norm
+from kiln.kernels.row_quant import RowQuant
 
 
 class RMSNorm(nn.Module):
@@ -14,6 +15,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        return rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                quant: RowQuant | None = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual). With
+        ``quant`` (what the linear layer after the norm asks for) norm(...) comes as codes."""
+        return rms_norm(x, self.weight, self.eps, residual, quant)

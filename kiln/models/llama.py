@@ -77,13 +77,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # a W8A8 projection takes its input as codes, written by the norm before it
+        num_rows = positions.shape[0]
+        quant = self.self_attn.qkv_proj.input_quant(num_rows)
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm(x, quant=quant)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, quant)
         x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(
+            x, residual, self.mlp.gate_up_proj.input_quant(num_rows))
         return self.mlp(x), residual
 
 

@@ -30,11 +30,18 @@ from kiln.kernels.quant_gemm import (
     wint_linear,
     wint_linear_triton,
 )
+from kiln.kernels.row_quant import QuantizedRows, RowQuant
 from kiln.layers.embedding import LMHead
 from kiln.layers.linear import Linear
 from kiln.quant.config import QuantConfig
 from kiln.quant.rtn import IntWeight, rtn_quantize
-from kiln.quant.w8a8 import STORAGE, check_fp8_supported, quantize_weight, w8a8_linear
+from kiln.quant.w8a8 import (
+    STORAGE,
+    check_fp8_supported,
+    quantize_weight,
+    row_quant,
+    w8a8_linear,
+)
 
 
 def _dense(layer: Linear) -> torch.Tensor | None:
@@ -110,6 +117,9 @@ class WeightOnlyMethod:
         return wint_dequant_ref(layer.qweight, layer.scales, layer.zeros, self.bits,
                                 self.group_size, dtype, layer.perm, layer.smooth)
 
+    def input_quant(self, layer: Linear, num_rows: int) -> RowQuant | None:
+        return None
+
     def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
               gated: bool = False) -> torch.Tensor:
         return wint_linear(x, layer.qweight, layer.scales, layer.zeros, self.bits,
@@ -175,10 +185,20 @@ class W8A8Method:
         w = layer.qweight.float() * layer.w_scales[:, None]
         return (w if layer.smooth is None else w * layer.smooth[None, :]).to(dtype)
 
-    def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
-              gated: bool = False) -> torch.Tensor:
-        if (self.kind == "fp8" and x.shape[:-1].numel() <= GEMV_FMA_MAX_M
-                and use_triton(x, layer.qweight)):
+    def _weight_only(self, layer: Linear, num_rows: int) -> bool:
+        """FP8 decode rows go through the weight-only GEMV, with 16-bit activations."""
+        return (self.kind == "fp8" and num_rows <= GEMV_FMA_MAX_M
+                and use_triton(layer.qweight))
+
+    def input_quant(self, layer: Linear, num_rows: int) -> RowQuant | None:
+        if self._weight_only(layer, num_rows):
+            return None
+        return row_quant(self.kind, layer.smooth, layer.act_scale)
+
+    def apply(self, layer: Linear, x: torch.Tensor | QuantizedRows,
+              out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
+        if not isinstance(x, QuantizedRows) and self._weight_only(layer,
+                                                                   x.shape[:-1].numel()):
             # silu_and_mul after the GEMV even where its epilogue could take it: with e4m3
             # weights the fused epilogue ran slower end to end (H100 batch-1 decode, 285
             # against 290 tok/s; bf16, int8 and int4 weights gain 1.5% from it), ab_runs.txt 16
@@ -186,7 +206,8 @@ class W8A8Method:
             out = silu_and_mul(out) if gated else out
         else:
             out = w8a8_linear(x, layer.qweight, layer.w_scales, self.kind, layer.smooth,
-                              layer.act_scale, layer.bias, gated=gated)
+                              layer.act_scale, layer.bias, gated=gated,
+                              dtype=layer.params_dtype)
         return out if out_dtype is None else out.to(out_dtype)
 
     def apply_weight_only(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kiln.kernels._triton import next_power_of_2, pdl, tl, triton, use_triton, wait_for_inputs
 from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.gemm import gemm_triton
+from kiln.kernels.row_quant import QuantizedRows, RowQuant, quantize_rows_ref, row_codes
 
 FP8_DTYPE = torch.float8_e4m3fn
 QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -52,21 +53,25 @@ def _quant_per_token_kernel(
         x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_SMOOTH:
             x *= tl.load(smooth_ptr + k0 + offs, mask=mask, other=0.0)
-        v = tl.minimum(tl.maximum(x / scale, -QMAX_), QMAX_)
-        q = v.to(q_ptr.dtype.element_ty) if IS_FP8 else tl.floor(v + 0.5).to(tl.int8)
+        q = row_codes(x, scale, QMAX_, IS_FP8, q_ptr.dtype.element_ty)
         tl.store(q_ptr + row * stride_q + k0 + offs, q, mask=mask)
 
 
+def row_quant(kind: str, smooth: torch.Tensor | None = None,
+              static_scale: torch.Tensor | None = None) -> RowQuant:
+    """The per-token activation quantization of a W8A8 ``kind`` ("fp8" or "int8")."""
+    return RowQuant(STORAGE[kind], QMAX[kind], MIN_AMAX, smooth, static_scale)
+
+
 def quant_per_token_triton(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None,
-                           static_scale: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           static_scale: torch.Tensor | None = None) -> QuantizedRows:
     """x [M, K] -> (xq [M, K] fp8/int8, scales [M, 1] float32); one program per row."""
     m, k = x.shape
     assert x.stride(1) == 1
     q = torch.empty(m, k, dtype=STORAGE[kind], device=x.device)
     scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m == 0:
-        return q, scales
+        return QuantizedRows(q, scales)
     block = min(next_power_of_2(k), 2048)
     dummy = scales
     _quant_per_token_kernel[(m,)](
@@ -76,25 +81,16 @@ def quant_per_token_triton(x: torch.Tensor, kind: str, smooth: torch.Tensor | No
         STATIC=static_scale is not None, BLOCK_K=block, num_warps=4 if block <= 1024 else 8,
         **pdl(x.device),
     )  # fmt: skip
-    return q, scales
+    return QuantizedRows(q, scales)
 
 
 def quant_per_token_ref(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None,
-                        static_scale: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.float() if smooth is None else x.float() * smooth.float()
-    if static_scale is not None:
-        scales = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
-    else:
-        scales = xf.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / QMAX[kind]
-    v = (xf / scales).clamp(-QMAX[kind], QMAX[kind])
-    q = v.to(FP8_DTYPE) if kind == "fp8" else torch.floor(v + 0.5).to(torch.int8)
-    return q, scales.contiguous()
+                        static_scale: torch.Tensor | None = None) -> QuantizedRows:
+    return quantize_rows_ref(x, row_quant(kind, smooth, static_scale))
 
 
 def quant_per_token(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None,
-                    static_scale: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    static_scale: torch.Tensor | None = None) -> QuantizedRows:
     if use_triton(x):
         return quant_per_token_triton(x, kind, smooth, static_scale)
     return quant_per_token_ref(x, kind, smooth, static_scale)
@@ -111,15 +107,32 @@ def quantize_weight(w: torch.Tensor, kind: str, granularity: str
     return wq, scales
 
 
-def w8a8_linear_ref(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, kind: str,
-                    smooth: torch.Tensor | None = None, static_scale: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = quant_per_token_ref(x2, kind, smooth, static_scale)
+def w8a8_linear_ref(x: torch.Tensor | QuantizedRows, wq: torch.Tensor, w_scales: torch.Tensor,
+                    kind: str, smooth: torch.Tensor | None = None,
+                    static_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    xq, xs = _rows(x, kind, smooth, static_scale, quant_per_token_ref)
     y = (xq.float() @ wq.float().t()) * xs * w_scales.float()[None, :]
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+    return y.to(_out_dtype(x, dtype)).reshape(*x.shape[:-1], -1)
+
+
+def _out_dtype(x: torch.Tensor | QuantizedRows, dtype: torch.dtype | None) -> torch.dtype:
+    """x's dtype, or ``dtype`` where x comes quantized (its codes do not say)."""
+    if isinstance(x, QuantizedRows):
+        assert dtype is not None, "quantized rows need the output dtype"
+        return dtype
+    return x.dtype
+
+
+def _rows(x: torch.Tensor | QuantizedRows, kind: str, smooth: torch.Tensor | None,
+          static_scale: torch.Tensor | None, quantize) -> QuantizedRows:
+    """x as quantized rows [M, K]: as given (an RMSNorm wrote them), or by ``quantize``."""
+    if isinstance(x, QuantizedRows):
+        return x._replace(codes=x.codes.reshape(-1, x.codes.shape[-1]))
+    x2 = x.reshape(-1, x.shape[-1])
+    return quantize(x2 if x2.stride(-1) == 1 else x2.contiguous(), kind, smooth, static_scale)
 
 
 def _int_mm_padded(xq: torch.Tensor, wq_t: torch.Tensor) -> torch.Tensor:
@@ -130,41 +143,42 @@ def _int_mm_padded(xq: torch.Tensor, wq_t: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(padded, wq_t)[:m]
 
 
-def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, kind: str,
-                smooth: torch.Tensor | None = None, static_scale: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None, triton_gemm: bool | None = None,
-                gated: bool = False) -> torch.Tensor:
+def w8a8_linear(x: torch.Tensor | QuantizedRows, wq: torch.Tensor, w_scales: torch.Tensor,
+                kind: str, smooth: torch.Tensor | None = None,
+                static_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                triton_gemm: bool | None = None, gated: bool = False,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x W^T + b with W8A8; x [..., K] -> [..., N] in x.dtype. wq is [N, K] row-major.
+    x may come quantized already (``QuantizedRows``, from an RMSNorm with a ``RowQuant``; y is
+    then in ``dtype``).
     gated: W is a merged [gate; up] projection and y [..., N / 2] = silu(gate) * up (in the
     Triton GEMM's epilogue where it runs).
 
     FP8 GEMMs of at most FP8_GEMM_MAX_M rows run kiln/kernels/gemm.py instead of
     torch._scaled_mm (``triton_gemm`` forces either, for the benchmarks).
     """
-    if not (use_triton(x, wq) and x.is_cuda):
-        y = w8a8_linear_ref(x, wq, w_scales, kind, smooth, static_scale, bias)
+    if not use_triton(x.codes if isinstance(x, QuantizedRows) else x, wq):
+        y = w8a8_linear_ref(x, wq, w_scales, kind, smooth, static_scale, bias, dtype)
         return silu_and_mul(y) if gated else y
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    xq, xs = quant_per_token_triton(x2, kind, smooth, static_scale)
+    xq, xs = _rows(x, kind, smooth, static_scale, quant_per_token_triton)
+    dtype, lead = _out_dtype(x, dtype), x.shape[:-1]
     if triton_gemm is None:  # every FP8 gemm_config needs K % 128 == 0
-        triton_gemm = x2.shape[0] <= FP8_GEMM_MAX_M and x2.shape[1] % 128 == 0
+        triton_gemm = xq.shape[0] <= FP8_GEMM_MAX_M and xq.shape[1] % 128 == 0
     if kind == "fp8" and triton_gemm:
-        y = gemm_triton(xq, wq, bias, x.dtype, xs, w_scales, gated=gated)
-        return y.reshape(*x.shape[:-1], -1)
+        y = gemm_triton(xq, wq, bias, dtype, xs, w_scales, gated=gated)
+        return y.reshape(*lead, -1)
     if kind == "fp8":
         # row-wise scaling takes bf16 output only; [K, N] column-major is wq.t()
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scales.float()[None, :],
                              out_dtype=torch.bfloat16, bias=None if bias is None
-                             else bias.to(torch.bfloat16)).to(x.dtype)
+                             else bias.to(torch.bfloat16)).to(dtype)
     else:
         acc = _int_mm_padded(xq, wq.t())
-        y = (acc.float() * xs * w_scales.float()[None, :]).to(x.dtype)
+        y = (acc.float() * xs * w_scales.float()[None, :]).to(dtype)
         if bias is not None:
             y += bias
     y = silu_and_mul(y) if gated else y
-    return y.reshape(*x.shape[:-1], -1)
+    return y.reshape(*lead, -1)
 
 
 def check_fp8_supported(device: torch.device) -> None:

@@ -5,6 +5,7 @@ import torch
 from kernel_testing import INTERPRET_DTYPES, assert_rel_close, gpu, needs_triton
 
 from kiln.kernels.rms_norm import rms_norm, rms_norm_ref, rms_norm_triton
+from kiln.quant.w8a8 import quant_per_token_ref, row_quant
 
 EPS = 1e-5
 # fp32: only reduction order differs (~1e-7). fp16/bf16: the normalized value and the product
@@ -71,3 +72,55 @@ def test_wrapper_on_cpu_is_reference():
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_gpu(num_tokens, hidden, dtype, with_residual):
     check(rms_norm, (num_tokens, hidden), dtype, with_residual, device="cuda", seed=num_tokens)
+
+
+def _quantized_case(kind, variant, device="cpu"):
+    x, residual, weight = make((9, 96), torch.float32, device, seed=4)
+    gen = torch.Generator().manual_seed(9)
+    smooth = (0.5 + torch.rand(96, generator=gen)).to(device) if variant == "smooth" else None
+    static = torch.tensor(0.05, device=device) if variant == "static" else None
+    return x, residual, weight, row_quant(kind, smooth, static), (smooth, static)
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["dynamic", "smooth", "static"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_triton_quantized_output_is_norm_then_quantizer(variant, with_residual):
+    """INT8 codes under the interpreter (its float -> e4m3 cast is wrong; FP8 runs on the GPU):
+    bit-equal to the RMSNorm followed by the standalone per-token quantizer."""
+    x, residual, weight, quant, (smooth, static) = _quantized_case("int8", variant)
+    res = residual if with_residual else None
+    got = rms_norm_triton(x, weight, EPS, res, quant)
+    ref = rms_norm_ref(x, weight, EPS, res)
+    if with_residual:
+        (got, got_sum), (ref, ref_sum) = got, ref
+        torch.testing.assert_close(got_sum, ref_sum, rtol=0, atol=0)
+    codes, scales = quant_per_token_ref(ref, "int8", smooth, static)
+    assert got.codes.dtype == torch.int8 and got.codes.shape == x.shape
+    torch.testing.assert_close(got.scales, scales, rtol=1e-6, atol=0)
+    assert (got.codes.int() - codes.int()).abs().max() <= 1  # float32 reduction order
+    assert (got.codes != codes).float().mean() < 0.01
+
+
+def test_reference_quantized_output_is_norm_then_quantizer():
+    x, residual, weight, quant, (smooth, static) = _quantized_case("fp8", "smooth")
+    got, _ = rms_norm(x, weight, EPS, residual, quant)
+    codes, scales = quant_per_token_ref(rms_norm_ref(x, weight, EPS, residual)[0], "fp8",
+                                        smooth)
+    assert torch.equal(got.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(got.scales, scales)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("variant", ["dynamic", "smooth", "static"])
+def test_gpu_quantized_output_is_norm_then_quantizer(kind, variant):
+    from kiln.quant.w8a8 import quant_per_token_triton
+    x, residual, weight, quant, (smooth, static) = _quantized_case(kind, variant, "cuda")
+    x, residual, weight = x.bfloat16(), residual.bfloat16(), weight.bfloat16()
+    got, got_sum = rms_norm_triton(x, weight, EPS, residual, quant)
+    normed, ref_sum = rms_norm_triton(x, weight, EPS, residual)
+    codes, scales = quant_per_token_triton(normed, kind, smooth, static)
+    assert torch.equal(got_sum, ref_sum)
+    assert torch.equal(got.scales, scales)
+    assert torch.equal(got.codes.view(torch.uint8), codes.view(torch.uint8))
