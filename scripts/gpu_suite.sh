@@ -35,6 +35,8 @@ fi
 if want quant; then
   stage "quant kernels"
   python3 benchmarks/gpu_quant.py --out "$R/quant.json" --sweep none > "$R/quant.txt" 2>&1; tail -25 "$R/quant.txt"
+  stage "decode-batch tile GEMM (bf16, FP8) against cuBLAS"
+  python3 benchmarks/gemm_sweep.py --ms 16,64 --out "$R/gemm.json" > "$R/gemm.txt" 2>&1; tail -20 "$R/gemm.txt"
 fi
 if want reference; then
   stage "reference generator batch-1 decode"
