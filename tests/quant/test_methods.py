@@ -196,3 +196,38 @@ def test_w8a8_dispatch_by_rows(monkeypatch, kind, cuda, shape, gemv):
     out = layer(torch.randn(shape, generator=torch.Generator().manual_seed(2)))
     assert out.shape == (*shape[:-1], 40)
     assert calls == ["gemv" if gemv else "w8a8"]
+
+
+@pytest.mark.parametrize("quantization,standalone_per_layer", [("fp8", 2), ("w8a8-int8", 2),
+                                                                ("int8", 0)])
+def test_norms_quantize_for_the_w8a8_projections_after_them(tiny_llama, monkeypatch,
+                                                             quantization, standalone_per_layer):
+    """In a W8A8 model the RMSNorms write qkv's and gate_up's input codes, so the standalone
+    quantizer runs only for o_proj and down_proj; the logits are those of quantizing every
+    input on its own (the unfused path, forced by switching the norms' quantization off)."""
+    from kiln.layers.attention import contiguous_kv_caches, contiguous_metadata
+    from kiln.models.loader import load_model
+    from kiln.quant import w8a8
+
+    model = load_model(str(tiny_llama), device="cpu", dtype="float32",
+                       quantization=quantization).model
+    calls = []
+    real = w8a8.quant_per_token_ref
+    monkeypatch.setattr(w8a8, "quant_per_token_ref",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = torch.randint(3, 200, (7,), generator=torch.Generator().manual_seed(0))
+
+    cfg = model.cfg
+
+    def logits():
+        caches = contiguous_kv_caches(len(model.layers), 1, 16, cfg.num_kv_heads, cfg.head_dim,
+                                      torch.float32, torch.device("cpu"))
+        meta = contiguous_metadata([0], [7], 16, caches, torch.device("cpu"))
+        return model.compute_logits(model(ids, torch.arange(7), meta))
+
+    fused = logits()
+    assert len(calls) == standalone_per_layer * len(model.layers)
+    for layer in model.layers:  # every projection quantizes its own input again
+        for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+            monkeypatch.setattr(linear, "input_quant", lambda num_rows: None)
+    torch.testing.assert_close(logits(), fused, rtol=0, atol=0)
