@@ -115,7 +115,12 @@ def test_abort_while_a_step_is_in_flight(tiny_llama, chain_count):
     engine.kv.check_integrity()
 
 
-def test_prompt_chunks_are_chained_too(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("options", [
+    {},
+    {"num_kv_blocks": 70, "max_model_len": 260},  # too few blocks: chains refused, preemption
+    {"enable_prefix_caching": True},
+])
+def test_prompt_chunks_are_chained_too(tiny_llama, monkeypatch, options):
     """A prompt the token budget cuts takes its next chunk in a step launched while the step
     before it is in flight (next to the decodes of the others), with the same outputs."""
     chunk_steps = []
@@ -137,9 +142,10 @@ def test_prompt_chunks_are_chained_too(tiny_llama, monkeypatch):
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
     params = [kiln.SamplingParams(max_tokens=rng.randint(4, 12), temperature=0.0,
                                   ignore_eos=True) for _ in prompts]
-    options = {"block_size": 4, "max_num_batched_tokens": 48}
+    options = {"block_size": 4, "max_num_batched_tokens": 48} | options
     sync = _outputs(make_engine(tiny_llama, async_scheduling=False, **options), prompts, params)
     assert chunk_steps == []
-    overlapped = _outputs(make_engine(tiny_llama, **options), prompts, params)
-    assert overlapped == sync
-    assert sum(n > 0 for n in chunk_steps) >= 3, chunk_steps
+    engine = make_engine(tiny_llama, **options)
+    assert _outputs(engine, prompts, params) == sync
+    assert sum(n > 0 for n in chunk_steps) >= 2, chunk_steps
+    assert engine.scheduler.num_preemptions > 0 or "num_kv_blocks" not in options
