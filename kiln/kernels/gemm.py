@@ -144,8 +144,10 @@ def gemm_config(m: int, n: int, k: int, element_bytes: int, sms: int) -> GemmTil
 
 @functools.lru_cache(maxsize=16)
 def _arrival_counts(device: torch.device) -> torch.Tensor:
-    """Zeroed per-tile counts, shared by every split-K call on ``device`` (each call re-arms the
-    counts it used; calls on one stream never overlap past the PDL wait)."""
+    """Zeroed per-tile counts, shared by every split-K call on ``device``: each call re-arms the
+    counts it used, and calls queued on one stream never overlap past the PDL wait. Split-K
+    calls running at the same time on two streams would share them: Kiln's engine runs one
+    stream (CUDA graphs replay on it too)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("the split-K GEMM's counts must be allocated outside CUDA graph "
                            "capture: run one eager call first (the engine's warm-up does)")
