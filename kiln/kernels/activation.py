@@ -15,12 +15,14 @@ from kiln.kernels._triton import pdl, tl, triton, use_triton, wait_for_inputs
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """silu(gate) * up in float32: gate float32, up in the output dtype, silu rounded to that
-    dtype before the multiply as eager ``F.silu(gate) * up`` rounds it (the caller rounds the
-    product). Shared by this kernel and the GEMV that applies it in its epilogue."""
-    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-    return act * up.to(tl.float32)
+def silu_mul(gate, up, dt: tl.constexpr):
+    """silu(gate) * up in float32 with the unfused path's roundings: gate and up as stored in
+    ``dt`` (the output dtype), silu rounded to it before the multiply as eager
+    ``F.silu(gate) * up`` rounds it (the caller rounds the product). Shared by this kernel and
+    the GEMV / GEMM epilogues that apply it to their float32 accumulators."""
+    g = gate.to(dt).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+    return act * up.to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -30,9 +32,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    out = silu_mul(gate, up).to(out_ptr.dtype.element_ty)
+    dt = out_ptr.dtype.element_ty
+    out = silu_mul(gate, up, dt).to(dt)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 

@@ -62,7 +62,7 @@ def _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_ma
     dt = y_ptr.dtype.element_ty
     if GATED:  # gate and up rounded to the output dtype first, as the unfused path stores them
         gate, up = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
-        y = silu_mul(gate.to(dt).to(tl.float32), up.to(dt))
+        y = silu_mul(gate, up, dt)
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         n_mask = offs_n < N // 2
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]

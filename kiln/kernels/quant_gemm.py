@@ -382,7 +382,7 @@ def _wq_gemv_kernel(
     dt = out_ptr.dtype.element_ty
     if GATED:  # gate and up rounded to the output dtype first, as the unfused path stores them
         gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
-        y = silu_mul(gate.to(dt).to(tl.float32), up.to(dt))
+        y = silu_mul(gate, up, dt)
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         n_mask = offs_n < half
     else:

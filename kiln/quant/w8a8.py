@@ -157,28 +157,33 @@ def w8a8_linear(x: torch.Tensor | QuantizedRows, wq: torch.Tensor, w_scales: tor
     FP8 GEMMs of at most FP8_GEMM_MAX_M rows run kiln/kernels/gemm.py instead of
     torch._scaled_mm (``triton_gemm`` forces either, for the benchmarks).
     """
+    lead = x.shape[:-1]
     if not use_triton(x.codes if isinstance(x, QuantizedRows) else x, wq):
         y = w8a8_linear_ref(x, wq, w_scales, kind, smooth, static_scale, bias, dtype)
-        return silu_and_mul(y) if gated else y
-    xq, xs = _rows(x, kind, smooth, static_scale, quant_per_token_triton)
-    dtype, lead = _out_dtype(x, dtype), x.shape[:-1]
-    if triton_gemm is None:  # every FP8 gemm_config needs K % 128 == 0
-        triton_gemm = xq.shape[0] <= FP8_GEMM_MAX_M and xq.shape[1] % 128 == 0
-    if kind == "fp8" and triton_gemm:
-        y = gemm_triton(xq, wq, bias, dtype, xs, w_scales, gated=gated)
-        return y.reshape(*lead, -1)
-    if kind == "fp8":
-        # row-wise scaling takes bf16 output only; [K, N] column-major is wq.t()
-        y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scales.float()[None, :],
-                             out_dtype=torch.bfloat16, bias=None if bias is None
-                             else bias.to(torch.bfloat16)).to(dtype)
     else:
-        acc = _int_mm_padded(xq, wq.t())
-        y = (acc.float() * xs * w_scales.float()[None, :]).to(dtype)
-        if bias is not None:
-            y += bias
+        xq, xs = _rows(x, kind, smooth, static_scale, quant_per_token_triton)
+        dtype = _out_dtype(x, dtype)
+        if triton_gemm is None:  # every FP8 gemm_config needs K % 128 == 0
+            triton_gemm = xq.shape[0] <= FP8_GEMM_MAX_M and xq.shape[1] % 128 == 0
+        if kind == "fp8" and triton_gemm:  # silu(gate) * up in the GEMM's epilogue
+            return gemm_triton(xq, wq, bias, dtype, xs, w_scales, gated=gated).reshape(*lead, -1)
+        y = _cublas_w8a8(xq, xs, wq, w_scales, kind, bias, dtype)
     y = silu_and_mul(y) if gated else y
     return y.reshape(*lead, -1)
+
+
+def _cublas_w8a8(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
+                 kind: str, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] codes, xs [M, 1] -> [M, N] in dtype through torch._scaled_mm or _int_mm."""
+    if kind == "fp8":
+        # row-wise scaling takes bf16 output only; [K, N] column-major is wq.t()
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scales.float()[None, :],
+                                out_dtype=torch.bfloat16, bias=None if bias is None
+                                else bias.to(torch.bfloat16)).to(dtype)
+    y = (_int_mm_padded(xq, wq.t()).float() * xs * w_scales.float()[None, :]).to(dtype)
+    if bias is not None:
+        y += bias  # in place: y keeps dtype
+    return y
 
 
 def check_fp8_supported(device: torch.device) -> None:
