@@ -13,16 +13,15 @@ read it from HBM once.
 
 - gated: a merged [gate; up] projection gives silu(gate) * up straight from the epilogue; each
   tile interleaves gate and up rows, so one dot serves both.
-- split-K (grid axis 2): SPLIT_K programs share an output tile, each streams K / SPLIT_K and
-  stores a float32 partial; the last to arrive (an atomic count per tile) sums the partials in
-  a fixed order, so the result does not depend on which program came last, applies scales,
-  bias and the gate, writes y and re-arms the count to zero for the next call (and the next
-  CUDA graph replay). It pays only where a tile's program would stream a long K alone.
+
+Each program streams the whole K of its tile. Splitting K over programs (float32 partials summed
+in a fixed order by the last to arrive) lost at every Llama-3.1-8B shape once the narrow layers
+took deep pipelines (gemm_sweep.txt): FP8 down_proj at M = 16-64 runs 22.8-23.5 us unsplit
+against 25.8-33 split two or four ways.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -30,7 +29,6 @@ import torch
 from kiln.kernels._triton import num_sms, pdl, tl, triton, use_triton, wait_for_inputs
 from kiln.kernels.activation import silu_and_mul_ref, silu_mul
 
-_MAX_TILES = 8192  # output tiles a split-K call may have (its arrival counts)
 # 16-bit rows up to which gemm_triton replaces cuBLAS for dense weights: at M = 16-64 it matches
 # or beats cuBLAS on every Llama-3.1-8B layer (gemm_sweep.txt) and keeps the step PDL-chained;
 # at 128 its 64-row tiles lose (gate_up 110 against 89 us)
@@ -41,7 +39,6 @@ class GemmTiles(NamedTuple):
     block_m: int
     block_n: int
     block_k: int
-    split_k: int
     num_warps: int
     num_stages: int
 
@@ -71,53 +68,38 @@ def _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_ma
 
 @triton.jit(do_not_specialize=["M"])  # the batch size: no new variant per step shape
 def _gemm_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
-    stride_xm, stride_wn, stride_ym,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """N: weight rows. Row tiles are the fastest grid axis, so the programs that share a weight
-    tile run together and read it from HBM once."""
-    wait_for_inputs(USE_PDL)
+    """N: weight rows; K a multiple of BLOCK_K (checked by the launcher). Row tiles are the
+    fastest grid axis, so the programs that share a weight tile run together and read it from
+    HBM once.
+
+    Nothing is loaded before the wait: taking the first weight tile before it (peeled out of
+    the loop, as the weight-only GEMV does) cost 1-3% end to end on the H100 (ab_runs.txt 24)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    k_len = K // SPLIT_K  # a multiple of BLOCK_K (checked by the launcher)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tile columns
     # GATED: tile column 2 i is gate row pid_n BLOCK_N / 2 + i, column 2 i + 1 the up row N / 2
     # after it, so one dot serves both and the epilogue pairs them
     rows = offs_n // 2 + (offs_n % 2) * (N // 2) if GATED else offs_n
-    offs_k = pid_k * k_len + tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    wait_for_inputs(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for _ in range(0, k_len, BLOCK_K):
+    for _ in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if SPLIT_K == 1:
-        _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_mask, n_mask,
-                    pid_n, N, stride_ym, SCALED, HAS_BIAS, GATED, BLOCK_M, BLOCK_N)
-    else:
-        # partials: [SPLIT_K, M, N] float32, in tile-column order
-        part_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tile_mask = m_mask[:, None] & n_mask[None, :]
-        tl.store(part_ptrs + pid_k * M * N, acc, mask=tile_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the count says so
-        count = count_ptr + pid_n * tl.num_programs(0) + pid_m
-        if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(SPLIT_K):  # .cg: from L2, where the other programs' stores landed
-                acc += tl.load(part_ptrs + s * M * N, mask=tile_mask, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(count, 0)
-            _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_mask,
-                        n_mask, pid_n, N, stride_ym, SCALED, HAS_BIAS, GATED, BLOCK_M, BLOCK_N)
+    _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_mask, n_mask,
+                pid_n, N, stride_ym, SCALED, HAS_BIAS, GATED, BLOCK_M, BLOCK_N)
 
 
 def gemm_config(m: int, n: int, k: int, element_bytes: int, sms: int) -> GemmTiles:
@@ -127,31 +109,23 @@ def gemm_config(m: int, n: int, k: int, element_bytes: int, sms: int) -> GemmTil
     - 16-bit layers wide enough for one 128-column program per SM (gate_up, the LM head): 128,
       halving the activation re-reads of 64 (gate_up 82.8 against 86.1 us at M = 64);
     - layers whose 64-column tiles fill more than half the SMs (qkv; FP8 gate_up): 64, with
-      256-deep K steps in FP8 (128 where K is not a multiple of 256);
-    - narrower ones (o_proj, down_proj: N = 4096): 32, 8 warps, a 6-deep pipeline; except an
-      FP8 down_proj (K >= 8192) at M <= 32, which splits K in two (32 against 43 us at M = 16).
-    Every config needs K % (block_k * split_k) == 0.
+      256-deep K steps in FP8 (128 where K is not a multiple of 256), and a 4-deep pipeline
+      where there are fewer than two tiles per SM (FP8 qkv 11.4 against 12.3 us with 3);
+    - narrower ones (o_proj, down_proj: N = 4096): 32, 4 warps and a deep pipeline, so that one
+      program per SM keeps enough weight bytes in flight: 256-deep K steps, 6 stages in FP8
+      (down_proj 23.5 against 27.5 us for 128 x 6), 128-deep, 7 stages in 16 bits.
+    Every config needs K % block_k == 0.
     """
     fp8 = element_bytes == 1
     if not fp8 and triton.cdiv(n, 128) >= sms:
-        return GemmTiles(64, 128, 128, 1, 4, 3)
-    if triton.cdiv(n, 64) > sms // 2:
-        return GemmTiles(64, 64, 256 if fp8 and k % 256 == 0 else 128, 1, 4, 3 if fp8 else 4)
-    if fp8 and m <= 32 and k >= 8192 and k % 512 == 0:
-        return GemmTiles(64, 64, 256, 2, 4, 4)
-    return GemmTiles(64, 32, 128, 1, 8, 6)
-
-
-@functools.lru_cache(maxsize=16)
-def _arrival_counts(device: torch.device) -> torch.Tensor:
-    """Zeroed per-tile counts, shared by every split-K call on ``device``: each call re-arms the
-    counts it used, and calls queued on one stream never overlap past the PDL wait. Split-K
-    calls running at the same time on two streams would share them: Kiln's engine runs one
-    stream (CUDA graphs replay on it too)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("the split-K GEMM's counts must be allocated outside CUDA graph "
-                           "capture: run one eager call first (the engine's warm-up does)")
-    return torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+        return GemmTiles(64, 128, 128, 4, 3)
+    tiles_64 = triton.cdiv(n, 64)
+    if tiles_64 > sms // 2:
+        stages = 3 if tiles_64 >= 2 * sms else 4
+        return GemmTiles(64, 64, 256 if fp8 and k % 256 == 0 else 128, 4, stages)
+    if fp8 and k % 256 == 0:
+        return GemmTiles(64, 32, 256, 4, 6)
+    return GemmTiles(64, 32, 128, 4, 7)
 
 
 def dense_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -179,27 +153,19 @@ def gemm_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     assert scaled == (w_scales is not None), "x_scales and w_scales come together"
     out_dtype = out_dtype or (torch.bfloat16 if scaled else x.dtype)
     cfg = config or gemm_config(m, n, k, x.element_size(), num_sms(x.device))
-    assert w.shape[1] == k and k % (cfg.block_k * cfg.split_k) == 0, \
-        f"K={k} must be a multiple of block_k * split_k = {cfg.block_k * cfg.split_k}"
+    assert w.shape[1] == k and k % cfg.block_k == 0, \
+        f"K={k} must be a multiple of block_k = {cfg.block_k}"
     assert x.stride(1) == 1 and w.stride(1) == 1
     assert not gated or n % 2 == 0, f"a gated projection has an even number of rows, not {n}"
     y = torch.empty(m, n // 2 if gated else n, dtype=out_dtype, device=x.device)
     if m == 0:
         return y
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    if cfg.split_k > 1:
-        assert grid[0] * grid[1] <= _MAX_TILES, f"{grid[0] * grid[1]} tiles > {_MAX_TILES}"
-        assert cfg.split_k * m * n < 2**31, "split-K partials too large for int32 offsets"
-        partials = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
-        counts = _arrival_counts(x.device)
-    else:
-        partials = counts = y  # not read
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     _gemm_kernel[grid](
         x, x_scales if scaled else y, w, w_scales if scaled else y,
-        bias if bias is not None else y, y, partials, counts, m, n, k,
-        x.stride(0), w.stride(0), y.stride(0),
+        bias if bias is not None else y, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         SCALED=scaled, HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
     return y
