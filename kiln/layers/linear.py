@@ -16,7 +16,7 @@ from torch import nn
 from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.gemm import dense_gemm_applies, gemm_triton
 from kiln.kernels.quant_gemm import dense_gemv, dense_gemv_applies, linear
-from kiln.kernels.row_quant import QuantizedRows, RowQuant
+from kiln.kernels.row_quant import QuantizedRows, RowQuant, quantize_rows
 from kiln.parallel import SINGLE, TPContext
 
 
@@ -25,12 +25,16 @@ class LinearMethod(Protocol):
 
     ``apply``'s ``out_dtype`` (None: x's) is how the LM head asks for float32 logits straight
     from the accumulator. ``gated``: the layer is a merged [gate; up] projection and the caller
-    wants silu(gate) * up (formats fuse it into a decode GEMV's epilogue where they can)."""
+    wants silu(gate) * up (formats fuse it into a decode GEMV's epilogue where they can).
+    ``out_quant``: the next layer wants the result as codes (its ``input_quant``); a format may
+    return them (``QuantizedRows``, fusing the quantization), or the tensor, which ``Linear``
+    then quantizes."""
 
     def process_weights_after_loading(self, layer: Linear) -> None: ...
 
     def apply(self, layer: Linear, x: torch.Tensor | QuantizedRows,
-              out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor: ...
+              out_dtype: torch.dtype | None = None, gated: bool = False,
+              out_quant: RowQuant | None = None) -> torch.Tensor | QuantizedRows: ...
 
     def input_quant(self, layer: Linear, num_rows: int) -> RowQuant | None:
         """How ``apply`` wants ``num_rows`` input rows quantized, so that the RMSNorm before the
@@ -47,7 +51,7 @@ class DenseLinearMethod:
         return None
 
     def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
-              gated: bool = False) -> torch.Tensor:
+              gated: bool = False, out_quant: RowQuant | None = None) -> torch.Tensor:
         if dense_gemv_applies(x, layer.weight):  # a decode row: the streaming GEMV
             return dense_gemv(x, layer.weight, layer.bias, out_dtype, gated=gated)
         if dense_gemm_applies(x, layer.weight):  # a decode batch: the tile GEMM
@@ -85,13 +89,20 @@ class Linear(nn.Module):
     def input_quant(self, num_rows: int) -> RowQuant | None:
         return self.method.input_quant(self, num_rows)
 
-    def forward(self, x: torch.Tensor | QuantizedRows, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows, gated: bool = False,
+                out_quant: RowQuant | None = None) -> torch.Tensor | QuantizedRows:
         """gated: this is a merged [gate; up] projection and the result silu(gate) * up
         [..., I] (column parallel: this rank's slice of I, which the row-parallel projection
-        after it takes)."""
+        after it takes). out_quant: the result as the next layer's input codes."""
         assert not gated or (not self.reduce_output and list(self.shards) == ["gate", "up"])
-        y = self.method.apply(self, x, gated=gated)
-        return self.tp.all_reduce(y) if self.reduce_output else y
+        if self.reduce_output:  # codes of the reduced sum only
+            y = self.tp.all_reduce(self.method.apply(self, x, gated=gated))
+        else:
+            y = self.method.apply(self, x, gated=gated, out_quant=out_quant)
+        if out_quant is None or isinstance(y, QuantizedRows):
+            return y
+        codes, scales = quantize_rows(y, out_quant)
+        return QuantizedRows(codes.reshape(*y.shape), scales)
 
     def _local_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         if self.tp.size == 1 or dim >= loaded.dim():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kiln.kernels.row_quant import QuantizedRows
 from kiln.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -62,8 +63,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
                                       tp=tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x, gated=True))
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        # a W8A8 down projection takes its input as codes: quantized with the activation
+        quant = self.down_proj.input_quant(x.shape[:-1].numel())
+        return self.down_proj(self.gate_up_proj(x, gated=True, out_quant=quant))
 
 
 class LlamaDecoderLayer(nn.Module):

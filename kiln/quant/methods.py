@@ -121,7 +121,7 @@ class WeightOnlyMethod:
         return None
 
     def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
-              gated: bool = False) -> torch.Tensor:
+              gated: bool = False, out_quant: RowQuant | None = None) -> torch.Tensor:
         return wint_linear(x, layer.qweight, layer.scales, layer.zeros, self.bits,
                            self.group_size, layer.perm, layer.smooth, layer.bias, out_dtype, gated)
 
@@ -196,7 +196,8 @@ class W8A8Method:
         return row_quant(self.kind, layer.smooth, layer.act_scale)
 
     def apply(self, layer: Linear, x: torch.Tensor | QuantizedRows,
-              out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, gated: bool = False,
+              out_quant: RowQuant | None = None) -> torch.Tensor | QuantizedRows:
         if not isinstance(x, QuantizedRows) and self._weight_only(layer,
                                                                    x.shape[:-1].numel()):
             # silu_and_mul after the GEMV even where its epilogue could take it: with e4m3
@@ -207,7 +208,7 @@ class W8A8Method:
         else:
             out = w8a8_linear(x, layer.qweight, layer.w_scales, self.kind, layer.smooth,
                               layer.act_scale, layer.bias, gated=gated,
-                              dtype=layer.params_dtype)
+                              dtype=layer.params_dtype, out_quant=out_quant)
         return out if out_dtype is None else out.to(out_dtype)
 
     def apply_weight_only(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -15,46 +15,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels._triton import next_power_of_2, pdl, tl, triton, use_triton, wait_for_inputs
+from kiln.kernels._triton import use_triton
 from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.gemm import gemm_triton
-from kiln.kernels.row_quant import QuantizedRows, RowQuant, quantize_rows_ref, row_codes
+from kiln.kernels.row_quant import (
+    QuantizedRows,
+    RowQuant,
+    quantize_rows,
+    quantize_rows_ref,
+    quantize_rows_triton,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 QMAX = {"fp8": 448.0, "int8": 127.0}
 STORAGE = {"fp8": FP8_DTYPE, "int8": torch.int8}
 MIN_AMAX = 1e-6  # an all-zero row still gets a finite scale
 FP8_GEMM_MAX_M = 64  # FP8 rows up to which the Triton GEMM beats _scaled_mm (gpu_quant.py)
-
-
-@triton.jit
-def _quant_per_token_kernel(
-    x_ptr, smooth_ptr, static_ptr, q_ptr, scale_ptr, K, stride_x, stride_q,
-    QMAX_: tl.constexpr, MIN_AMAX_: tl.constexpr, IS_FP8: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-    STATIC: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    wait_for_inputs(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_K)
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
-            x = x.to(tl.float32)
-            if HAS_SMOOTH:
-                x *= tl.load(smooth_ptr + k0 + offs, mask=k0 + offs < K, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX_) / QMAX_
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        mask = k0 + offs < K
-        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SMOOTH:
-            x *= tl.load(smooth_ptr + k0 + offs, mask=mask, other=0.0)
-        q = row_codes(x, scale, QMAX_, IS_FP8, q_ptr.dtype.element_ty)
-        tl.store(q_ptr + row * stride_q + k0 + offs, q, mask=mask)
 
 
 def row_quant(kind: str, smooth: torch.Tensor | None = None,
@@ -66,22 +42,7 @@ def row_quant(kind: str, smooth: torch.Tensor | None = None,
 def quant_per_token_triton(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None,
                            static_scale: torch.Tensor | None = None) -> QuantizedRows:
     """x [M, K] -> (xq [M, K] fp8/int8, scales [M, 1] float32); one program per row."""
-    m, k = x.shape
-    assert x.stride(1) == 1
-    q = torch.empty(m, k, dtype=STORAGE[kind], device=x.device)
-    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    if m == 0:
-        return QuantizedRows(q, scales)
-    block = min(next_power_of_2(k), 2048)
-    dummy = scales
-    _quant_per_token_kernel[(m,)](
-        x, smooth if smooth is not None else dummy,
-        static_scale if static_scale is not None else dummy, q, scales, k, x.stride(0), q.stride(0),
-        QMAX_=QMAX[kind], MIN_AMAX_=MIN_AMAX, IS_FP8=kind == "fp8", HAS_SMOOTH=smooth is not None,
-        STATIC=static_scale is not None, BLOCK_K=block, num_warps=4 if block <= 1024 else 8,
-        **pdl(x.device),
-    )  # fmt: skip
-    return QuantizedRows(q, scales)
+    return quantize_rows_triton(x, row_quant(kind, smooth, static_scale))
 
 
 def quant_per_token_ref(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None,
@@ -147,12 +108,15 @@ def w8a8_linear(x: torch.Tensor | QuantizedRows, wq: torch.Tensor, w_scales: tor
                 kind: str, smooth: torch.Tensor | None = None,
                 static_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                 triton_gemm: bool | None = None, gated: bool = False,
-                dtype: torch.dtype | None = None) -> torch.Tensor:
+                dtype: torch.dtype | None = None, out_quant: RowQuant | None = None
+                ) -> torch.Tensor | QuantizedRows:
     """y = x W^T + b with W8A8; x [..., K] -> [..., N] in x.dtype. wq is [N, K] row-major.
     x may come quantized already (``QuantizedRows``, from an RMSNorm with a ``RowQuant``; y is
     then in ``dtype``).
     gated: W is a merged [gate; up] projection and y [..., N / 2] = silu(gate) * up (in the
     Triton GEMM's epilogue where it runs).
+    out_quant: y comes as the next layer's input codes (``QuantizedRows``); after cuBLAS one
+    pass applies silu(gate) * up and quantizes.
 
     FP8 GEMMs of at most FP8_GEMM_MAX_M rows run kiln/kernels/gemm.py instead of
     torch._scaled_mm (``triton_gemm`` forces either, for the benchmarks).
@@ -166,8 +130,18 @@ def w8a8_linear(x: torch.Tensor | QuantizedRows, wq: torch.Tensor, w_scales: tor
         if triton_gemm is None:  # every FP8 gemm_config needs K % 128 == 0
             triton_gemm = xq.shape[0] <= FP8_GEMM_MAX_M and xq.shape[1] % 128 == 0
         if kind == "fp8" and triton_gemm:  # silu(gate) * up in the GEMM's epilogue
-            return gemm_triton(xq, wq, bias, dtype, xs, w_scales, gated=gated).reshape(*lead, -1)
+            y = gemm_triton(xq, wq, bias, dtype, xs, w_scales, gated=gated)
+            return _output(y, lead, out_quant, gated=False)
         y = _cublas_w8a8(xq, xs, wq, w_scales, kind, bias, dtype)
+    return _output(y, lead, out_quant, gated)
+
+
+def _output(y: torch.Tensor, lead: torch.Size, out_quant: RowQuant | None,
+            gated: bool) -> torch.Tensor | QuantizedRows:
+    """y [M, N] -> [*lead, N] (gated: silu(gate) * up, [*lead, N / 2]), as codes if out_quant."""
+    if out_quant is not None:
+        codes, scales = quantize_rows(y, out_quant, gated)
+        return QuantizedRows(codes.reshape(*lead, -1), scales)
     y = silu_and_mul(y) if gated else y
     return y.reshape(*lead, -1)
 

@@ -160,11 +160,12 @@ def test_engine_triton_backend_matches_torch_backend_in_float32():
     assert rate >= 0.99
 
 
-@pytest.mark.parametrize("quantization", [None, "int4", "int8"])
+@pytest.mark.parametrize("quantization", [None, "int4", "int8", "fp8"])
 def test_programmatic_dependent_launch_changes_no_token(quantization, monkeypatch):
     """PDL (kernels starting before their predecessor ends) must not change a bit: every kernel
     waits before it reads an activation, so the tokens with and without it are identical, in
-    bf16 and through the weight-only GEMV that loads its weights before the wait."""
+    bf16, through the weight-only GEMV that loads its weights before the wait, and through FP8
+    W8A8 (the norms' and the gated quantizer's codes feeding the tile GEMM and cuBLAS)."""
     prompts, params = _heldout_workload(32, seed=3)
     runs = []
     for flag in ("0", "1"):

@@ -198,13 +198,36 @@ def test_w8a8_dispatch_by_rows(monkeypatch, kind, cuda, shape, gemv):
     assert calls == ["gemv" if gemv else "w8a8"]
 
 
-@pytest.mark.parametrize("quantization,standalone_per_layer", [("fp8", 2), ("w8a8-int8", 2),
+@pytest.mark.parametrize("fmt", ["dense", "int4", "w8a8-int8"])
+def test_gated_linear_hands_the_next_layer_its_codes(fmt):
+    """``out_quant``: silu(gate) * up comes as the next layer's input codes, equal to quantizing
+    the activation on its own, whether the format fuses it (W8A8) or Linear quantizes after."""
+    from kiln.kernels.activation import silu_and_mul
+    from kiln.kernels.row_quant import quantize_rows_ref
+    from kiln.quant import w8a8
+
+    layer, x = make_linear(2 * 24, 64, False, seed=9)
+    layer.shards = {"gate": (0, 24), "up": (24, 24)}
+    if fmt == "int4":
+        quantize(layer, QuantConfig(method="rtn", bits=4, group_size=32))
+    elif fmt == "w8a8-int8":
+        quantize(layer, QuantConfig(method="rtn", scheme="w8a8", w8a8_dtype="int8"))
+    quant = w8a8.row_quant("int8", torch.rand(24) + 0.5)
+    got = layer(x, gated=True, out_quant=quant)
+    codes, scales = quantize_rows_ref(silu_and_mul(layer(x)).reshape(-1, 24), quant)
+    assert got.codes.shape == (3, 5, 24) and got.scales.shape == (15, 1)
+    assert torch.equal(got.codes.reshape(-1, 24), codes)
+    assert torch.equal(got.scales, scales)
+
+
+@pytest.mark.parametrize("quantization,standalone_per_layer", [("fp8", 1), ("w8a8-int8", 1),
                                                                 ("int8", 0)])
 def test_norms_quantize_for_the_w8a8_projections_after_them(tiny_llama, monkeypatch,
                                                              quantization, standalone_per_layer):
-    """In a W8A8 model the RMSNorms write qkv's and gate_up's input codes, so the standalone
-    quantizer runs only for o_proj and down_proj; the logits are those of quantizing every
-    input on its own (the unfused path, forced by switching the norms' quantization off)."""
+    """In a W8A8 model the RMSNorms write qkv's and gate_up's input codes and the MLP's
+    activation writes down_proj's, so the standalone quantizer runs only for o_proj; the logits
+    are those of quantizing every input on its own (the unfused path, forced by switching those
+    quantizations off)."""
     from kiln.layers.attention import contiguous_kv_caches, contiguous_metadata
     from kiln.models.loader import load_model
     from kiln.quant import w8a8
@@ -228,6 +251,6 @@ def test_norms_quantize_for_the_w8a8_projections_after_them(tiny_llama, monkeypa
     fused = logits()
     assert len(calls) == standalone_per_layer * len(model.layers)
     for layer in model.layers:  # every projection quantizes its own input again
-        for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+        for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             monkeypatch.setattr(linear, "input_quant", lambda num_rows: None)
     torch.testing.assert_close(logits(), fused, rtol=0, atol=0)
