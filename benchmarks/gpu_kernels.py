@@ -328,6 +328,8 @@ SWEEP_GUARDS = ((64, 1024), (8, 16384))
 DECODE_ALTERNATIVES = [
     (128, 4, 2, 1, 1), (64, 4, 2, 1, 1), (32, 4, 2, 1, 1), (64, 2, 2, 1, 1), (64, 8, 2, 1, 1),
     (64, 4, 3, 1, 1), (64, 4, 2, 2, 1), (64, 4, 2, 4, 1), (64, 4, 2, 1, 2), (128, 4, 2, 2, 1),
+    (64, 2, 3, 1, 1), (64, 2, 4, 1, 1), (32, 2, 2, 1, 1), (32, 2, 3, 1, 1), (32, 2, 4, 1, 1),
+    (64, 2, 2, 2, 1), (128, 2, 2, 1, 1), (128, 8, 3, 1, 1),
 ]  # fmt: skip
 # a graph cycles through this many L2 sizes of K/V, so that each call reads them from DRAM as a
 # real step does (a whole model's weights pass through L2 between two reads of a layer's cache)
@@ -469,6 +471,10 @@ def main() -> None:
         action="store_true",
         help="only decode attention: launch policies at short contexts, in graphs",
     )
+    parser.add_argument(
+        "--sweep-cases", default=None,
+        help="the decode sweep's cases as BATCH:CONTEXT,... (max_seqlen_k 4096); default: all",
+    )  # fmt: skip
     opts = parser.parse_args()
     global DEVICE, DTYPE, SMOKE
     if opts.smoke:
@@ -498,6 +504,9 @@ def main() -> None:
     if opts.decode_sweep:
         cases = [(b, ctx, SWEEP_MAX_SEQLEN_K) for b in SWEEP_BATCHES for ctx in SWEEP_CONTEXTS]
         cases += [(b, ctx, ctx) for b, ctx in SWEEP_GUARDS]
+        if opts.sweep_cases:
+            cases = [(*map(int, c.split(":")), SWEEP_MAX_SEQLEN_K)
+                     for c in opts.sweep_cases.split(",")]
         shape = {}
         if SMOKE:  # the interpreter's 8 nominal SMs: 1 and 2 pairs split, 8 do not
             cases, shape = [(1, 17, 1024), (2, 100, 1024), (8, 40, 40)], {"num_heads": 4,
