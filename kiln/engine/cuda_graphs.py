@@ -1,5 +1,6 @@
 """CUDA graphs for decode steps (a ladder of batch sizes) and for short single-prompt prefills
-(a ladder of token counts), each replayed padded up to the next captured size.
+(a ladder of token counts), each replayed padded up to the next captured size; a step that
+admits one short prompt beside decodes replays one of each.
 
 A step launches hundreds of small kernels; replaying a captured graph removes their launch
 overhead, which dominates at small batch (decode) and for short prompts (time to first token).
@@ -61,14 +62,15 @@ class StepGraphs:
         self.logits: dict[tuple[str, int], torch.Tensor] = {}  # [rows, vocab] float32
         self.greedy_ids: dict[tuple[str, int], torch.Tensor] = {}  # [rows] argmax
         self.pool = None
-        # Two sets, used in turn: with async scheduling the host fills step N+1's inputs while
-        # the copies of step N's may still wait in the stream behind step N - 1.
-        self._host = (HostInputs(max_tokens, max_bs, max_blocks),
-                      HostInputs(max_tokens, max_bs, max_blocks))
+        # Three sets, used in turn: with async scheduling the host fills step N+1's inputs while
+        # the copies of step N's may still wait in the stream, and a step that admits a prompt
+        # beside decodes fills two (its decode graph's and its prefill graph's); the host has
+        # waited for step N before it fills a set a third time.
+        self._host = tuple(HostInputs(max_tokens, max_bs, max_blocks) for _ in range(3))
         self._turn = 0
 
     def _next_host_inputs(self) -> HostInputs:
-        self._turn ^= 1
+        self._turn = (self._turn + 1) % len(self._host)
         return self._host[self._turn]
 
     def _decode_meta(self, bs: int) -> AttentionMetadata:

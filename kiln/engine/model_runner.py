@@ -135,6 +135,15 @@ class ModelRunner:
             return self._graph_decode(out.scheduled, lookahead_ids)
         if lookahead_ids is None and self._graph_prefill_step(out.scheduled):
             return self._graph_prefill(out.scheduled[0])
+        split = self._graph_split(out.scheduled) if lookahead_ids is None else None
+        if split is not None:
+            decoded = self._graph_decode(split[0], None)
+            # the graphs share one memory pool: the decode graph's ids are copied out before the
+            # prefill graph's replay may reuse their memory
+            decoded_ids = decoded.token_ids.clone()
+            prefilled = self._graph_prefill(split[1])
+            return StepResult(decoded.seqs + prefilled.seqs, decoded.requests + prefilled.requests,
+                              torch.cat([decoded_ids, prefilled.token_ids]), None, [])
         # single-token rows first, so attention can send them to the decode kernel (a stable
         # sort: a chained step comes in this order already, as its lookahead ids are laid out)
         scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
@@ -165,6 +174,20 @@ class ModelRunner:
         return (item.start == 0 and item.samples
                 and item.request.prompt_logprobs is None
                 and self.graphs.fits_prefill(item.num_new_tokens))
+
+    def _graph_split(self, scheduled: list[ScheduledSeq]
+                     ) -> tuple[list[ScheduledSeq], ScheduledSeq] | None:
+        """Decodes beside one whole short prompt (a request admitted while others decode), none
+        asking for logprobs: (decodes, prompt) to replay as two graphs, which reads the weights
+        twice but skips the eager mixed step's Python launch (~37 ms for an 8B model, against
+        ~6 ms of weight reads at decode batch sizes); else None."""
+        decodes = [item for item in scheduled if item.num_new_tokens == 1]
+        prompts = [item for item in scheduled if item.num_new_tokens != 1]
+        if (not decodes or not self._graph_step(decodes)
+                or not self._graph_prefill_step(prompts)
+                or any(item.seq.params.logprobs is not None for item in scheduled)):
+            return None
+        return decodes, prompts[0]
 
     def _graph_prefill(self, item: ScheduledSeq) -> StepResult:
         tokens = item.seq.token_slice(0, item.num_new_tokens)

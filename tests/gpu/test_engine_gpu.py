@@ -160,6 +160,45 @@ def test_engine_triton_backend_matches_torch_backend_in_float32():
     assert rate >= 0.99
 
 
+def test_prompt_admitted_beside_decodes_replays_two_graphs(monkeypatch):
+    """A request admitted while others decode: the step replays the decode graph and the
+    prompt's prefill graph instead of one eager mixed step, and every token is the eager
+    engine's (float32: no bf16 near-tie flips), with and without async scheduling."""
+    from kiln.engine.model_runner import ModelRunner
+
+    prompts, _ = _heldout_workload(12, seed=5)
+    params = kiln.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    splits = []
+    real_split = ModelRunner._graph_split
+
+    def counting_split(self, scheduled):
+        split = real_split(self, scheduled)
+        splits.append(split is not None)
+        return split
+
+    monkeypatch.setattr(ModelRunner, "_graph_split", counting_split)
+
+    def staggered(**options) -> list[list[int]]:
+        engine = LLMEngine.from_kwargs("kiln-tiny", dtype="float32", device="cuda",
+                                       num_kv_blocks=4096, **options)
+        done = {}
+        for i, prompt in enumerate(prompts):  # each arrives while the earlier ones decode
+            engine.add_request(str(i), prompt, params)
+            for _ in range(2):
+                done |= {o.request_id: o.outputs[0].token_ids for o in engine.step()
+                         if o.finished}
+        done |= {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
+        assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
+        return [done[str(i)] for i in range(len(prompts))]
+
+    eager = staggered(enforce_eager=True)
+    assert not any(splits)  # no graphs: nothing to split into
+    for async_scheduling in (True, False):
+        splits.clear()
+        assert staggered(async_scheduling=async_scheduling) == eager
+        assert sum(splits) >= len(prompts) // 2, splits
+
+
 @pytest.mark.parametrize("quantization", [None, "int4", "int8", "fp8"])
 def test_programmatic_dependent_launch_changes_no_token(quantization, monkeypatch):
     """PDL (kernels starting before their predecessor ends) must not change a bit: every kernel
