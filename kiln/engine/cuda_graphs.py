@@ -1,6 +1,6 @@
 """CUDA graphs for decode steps (a ladder of batch sizes) and for short single-prompt prefills
 (a ladder of token counts), each replayed padded up to the next captured size; a step that
-admits one short prompt beside decodes replays one of each.
+admits one or two short prompts beside decodes replays the decode graph and a prefill graph each.
 
 A step launches hundreds of small kernels; replaying a captured graph removes their launch
 overhead, which dominates at small batch (decode) and for short prompts (time to first token).
@@ -33,6 +33,8 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 
 
 PREFILL_SIZES = (16, 32, 64, 128, 256, 512)
+# graphs a step may replay: its decodes' and the prefill of up to two prompts it admits
+MAX_RUNS_PER_STEP = 3
 
 
 class StepGraphs:
@@ -62,11 +64,11 @@ class StepGraphs:
         self.logits: dict[tuple[str, int], torch.Tensor] = {}  # [rows, vocab] float32
         self.greedy_ids: dict[tuple[str, int], torch.Tensor] = {}  # [rows] argmax
         self.pool = None
-        # Three sets, used in turn: with async scheduling the host fills step N+1's inputs while
-        # the copies of step N's may still wait in the stream, and a step that admits a prompt
-        # beside decodes fills two (its decode graph's and its prefill graph's); the host has
-        # waited for step N before it fills a set a third time.
-        self._host = tuple(HostInputs(max_tokens, max_bs, max_blocks) for _ in range(3))
+        # One set per run, used in turn: with async scheduling the host fills step N+1's inputs
+        # while the copies of step N's (up to MAX_RUNS_PER_STEP runs) may still wait in the
+        # stream; it has waited for step N before it comes back to step N's sets.
+        self._host = tuple(HostInputs(max_tokens, max_bs, max_blocks)
+                           for _ in range(MAX_RUNS_PER_STEP + 1))
         self._turn = 0
 
     def _next_host_inputs(self) -> HostInputs:

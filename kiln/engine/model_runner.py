@@ -15,7 +15,7 @@ import torch
 
 from kiln.cache.kv_cache import KVCache
 from kiln.cache.kv_cache_manager import KVCacheManager
-from kiln.engine.cuda_graphs import StepGraphs
+from kiln.engine.cuda_graphs import MAX_RUNS_PER_STEP, StepGraphs
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kiln.engine.sequence import Sequence
@@ -137,13 +137,16 @@ class ModelRunner:
             return self._graph_prefill(out.scheduled[0])
         split = self._graph_split(out.scheduled) if lookahead_ids is None else None
         if split is not None:
-            decoded = self._graph_decode(split[0], None)
-            # the graphs share one memory pool: the decode graph's ids are copied out before the
-            # prefill graph's replay may reuse their memory
-            decoded_ids = decoded.token_ids.clone()
-            prefilled = self._graph_prefill(split[1])
-            return StepResult(decoded.seqs + prefilled.seqs, decoded.requests + prefilled.requests,
-                              torch.cat([decoded_ids, prefilled.token_ids]), None, [])
+            results = [self._graph_decode(split[0], None)]
+            # the graphs share one memory pool (and two prompts may replay the same graph):
+            # each replay's ids are copied out before the next replay may reuse their memory
+            ids = [results[0].token_ids.clone()]
+            for prompt in split[1]:
+                results.append(self._graph_prefill(prompt))
+                ids.append(results[-1].token_ids.clone())
+            return StepResult([seq for r in results for seq in r.seqs],
+                              [request for r in results for request in r.requests],
+                              torch.cat(ids), None, [])
         # single-token rows first, so attention can send them to the decode kernel (a stable
         # sort: a chained step comes in this order already, as its lookahead ids are laid out)
         scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
@@ -176,18 +179,20 @@ class ModelRunner:
                 and self.graphs.fits_prefill(item.num_new_tokens))
 
     def _graph_split(self, scheduled: list[ScheduledSeq]
-                     ) -> tuple[list[ScheduledSeq], ScheduledSeq] | None:
-        """Decodes beside one whole short prompt (a request admitted while others decode), none
-        asking for logprobs: (decodes, prompt) to replay as two graphs, which reads the weights
-        twice but skips the eager mixed step's Python launch (~37 ms for an 8B model, against
-        ~6 ms of weight reads at decode batch sizes); else None."""
+                     ) -> tuple[list[ScheduledSeq], list[ScheduledSeq]] | None:
+        """Decodes beside one or two whole short prompts (requests admitted while others
+        decode), none asking for logprobs: (decodes, prompts) to replay as a decode graph and a
+        prefill graph per prompt. That reads the weights once more per prompt (~6 ms for an 8B
+        model) but skips the eager mixed step's Python launch (~37 ms); with three or more the
+        eager step's own GPU work (~11 ms per 512-token prompt) about covers it. Else None."""
         decodes = [item for item in scheduled if item.num_new_tokens == 1]
         prompts = [item for item in scheduled if item.num_new_tokens != 1]
-        if (not decodes or not self._graph_step(decodes)
-                or not self._graph_prefill_step(prompts)
+        if (not decodes or not 1 <= len(prompts) < MAX_RUNS_PER_STEP
+                or not self._graph_step(decodes)
+                or not all(self._graph_prefill_step([item]) for item in prompts)
                 or any(item.seq.params.logprobs is not None for item in scheduled)):
             return None
-        return decodes, prompts[0]
+        return decodes, prompts
 
     def _graph_prefill(self, item: ScheduledSeq) -> StepResult:
         tokens = item.seq.token_slice(0, item.num_new_tokens)

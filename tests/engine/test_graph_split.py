@@ -1,4 +1,4 @@
-"""Which steps the model runner replays as a decode graph plus a prefill graph (CUDA graphs run
+"""Which steps the model runner replays as a decode graph plus prefill graphs (CUDA graphs run
 on the GPU only: the decision is checked here against stand-in graphs, the replay in
 tests/gpu/test_engine_gpu.py)."""
 
@@ -43,21 +43,23 @@ def _admission(tiny_llama, new_prompts: list[list[int]], new_params: list, graph
     return engine.runner, scheduled
 
 
-def test_decodes_beside_one_short_prompt_split(tiny_llama):
-    runner, scheduled = _admission(tiny_llama, [[7] * 30], [_greedy()])
-    decodes, prompt = runner._graph_split(scheduled)
+@pytest.mark.parametrize("lengths", [[30], [30, 10]])
+def test_decodes_beside_one_or_two_short_prompts_split(tiny_llama, lengths):
+    prompts = [[7 + i] * n for i, n in enumerate(lengths)]
+    runner, scheduled = _admission(tiny_llama, prompts, [_greedy() for _ in prompts])
+    decodes, admitted = runner._graph_split(scheduled)
     assert [item.request.request_id for item in decodes] == ["running0", "running1"]
-    assert prompt.request.request_id == "new0" and prompt.num_new_tokens == 30
+    assert [item.num_new_tokens for item in admitted] == lengths
 
 
-@pytest.mark.parametrize("case", ["two prompts", "long prompt", "cut prompt", "logprobs",
+@pytest.mark.parametrize("case", ["three prompts", "long prompt", "cut prompt", "logprobs",
                                   "prompt logprobs", "batch too large", "no decodes"])
 def test_other_steps_do_not_split(tiny_llama, case):
-    """Anything but decodes beside one whole prompt that a prefill graph holds, none asking
-    for logprobs, runs as one step."""
+    """Anything but decodes beside one or two whole prompts that prefill graphs hold, none
+    asking for logprobs, runs as one step."""
     prompts, params, options = [[7] * 30], [_greedy()], {}
-    if case == "two prompts":
-        prompts, params = [[7] * 30, [8] * 10], [_greedy(), _greedy()]
+    if case == "three prompts":
+        prompts, params = [[7] * 30, [8] * 10, [9] * 5], [_greedy()] * 3
     elif case == "long prompt":
         prompts = [[7] * 65]
     elif case == "cut prompt":  # the budget takes 40 of its 60 tokens

@@ -161,9 +161,10 @@ def test_engine_triton_backend_matches_torch_backend_in_float32():
 
 
 def test_prompt_admitted_beside_decodes_replays_two_graphs(monkeypatch):
-    """A request admitted while others decode: the step replays the decode graph and the
-    prompt's prefill graph instead of one eager mixed step, and every token is the eager
-    engine's (float32: no bf16 near-tie flips), with and without async scheduling."""
+    """Requests admitted while others decode, one or two at a time: the step replays the
+    decode graph and a prefill graph per prompt instead of one eager mixed step, and every token
+    is the eager engine's (float32: no bf16 near-tie flips), with and without async
+    scheduling."""
     from kiln.engine.model_runner import ModelRunner
 
     prompts, _ = _heldout_workload(12, seed=5)
@@ -182,9 +183,9 @@ def test_prompt_admitted_beside_decodes_replays_two_graphs(monkeypatch):
         engine = LLMEngine.from_kwargs("kiln-tiny", dtype="float32", device="cuda",
                                        num_kv_blocks=4096, **options)
         done = {}
-        for i, prompt in enumerate(prompts):  # each arrives while the earlier ones decode
+        for i, prompt in enumerate(prompts):  # they arrive while the earlier ones decode
             engine.add_request(str(i), prompt, params)
-            for _ in range(2):
+            for _ in range(2 * (i % 3 != 1)):  # prompts 1, 4, 7, 10 arrive with the next one
                 done |= {o.request_id: o.outputs[0].token_ids for o in engine.step()
                          if o.finished}
         done |= {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
