@@ -133,7 +133,8 @@ class ModelRunner:
         self.apply_cache_ops(out)
         if self._graph_step(out.scheduled):
             return self._graph_decode(out.scheduled, lookahead_ids)
-        if lookahead_ids is None and self._graph_prefill_step(out.scheduled):
+        if (lookahead_ids is None and len(out.scheduled) == 1
+                and self._graph_prefills(out.scheduled[0])):
             return self._graph_prefill(out.scheduled[0])
         split = self._graph_split(out.scheduled) if lookahead_ids is None else None
         if split is not None:
@@ -169,12 +170,10 @@ class ModelRunner:
         return (self.graphs is not None and self.graphs.fits(len(scheduled))
                 and all(item.num_new_tokens == 1 and item.samples for item in scheduled))
 
-    def _graph_prefill_step(self, scheduled: list[ScheduledSeq]) -> bool:
-        """A whole short prompt alone in the step, from position 0 (the batch-1 first token)."""
-        if self.graphs is None or len(scheduled) != 1:
-            return False
-        item = scheduled[0]
-        return (item.start == 0 and item.samples
+    def _graph_prefills(self, item: ScheduledSeq) -> bool:
+        """A whole short prompt from position 0 that a captured prefill graph holds (alone in
+        its step: the batch-1 first token; or beside decodes, see _graph_split)."""
+        return (self.graphs is not None and item.start == 0 and item.samples
                 and item.request.prompt_logprobs is None
                 and self.graphs.fits_prefill(item.num_new_tokens))
 
@@ -189,7 +188,7 @@ class ModelRunner:
         prompts = [item for item in scheduled if item.num_new_tokens != 1]
         if (not decodes or not 1 <= len(prompts) < MAX_RUNS_PER_STEP
                 or not self._graph_step(decodes)
-                or not all(self._graph_prefill_step([item]) for item in prompts)
+                or not all(self._graph_prefills(item) for item in prompts)
                 or any(item.seq.params.logprobs is not None for item in scheduled)):
             return None
         return decodes, prompts
