@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call on the device machine (see ../shared/GPU.md):
 #   scripts/gpu_suite.sh [STAGES]   STAGES: comma list of tests,kernels,quant,reference,
-#                                   latency,throughput,serve,profile,quantized (default: all)
+#                                   latency,throughput,serve,serve_prefix,profile,quantized
+#                                   (default: all)
 # Writes everything under $OUT/suite (tarred to $OUT/suite.tgz at the end) and prints a summary.
 # Run from the repository root; kiln is used from the tree (PYTHONPATH=.), nothing is installed.
 set -uo pipefail
@@ -14,7 +15,7 @@ export KILN_GIT_COMMIT=${KILN_GIT_COMMIT:-$(cat .git-commit 2>/dev/null || echo 
 OUT=${OUT:-out/gpu}
 R=$OUT/suite
 mkdir -p "$R"
-STAGES=",${1:-tests,kernels,quant,reference,latency,throughput,serve,profile,quantized},"
+STAGES=",${1:-tests,kernels,quant,reference,latency,throughput,serve,serve_prefix,profile,quantized},"
 M="--model benchmarks/workloads/llama-3.1-8b --load-format dummy --max-model-len 4096"
 K="python3 -m kiln.cli"
 want() { [[ $STAGES == *",$1,"* ]]; }
@@ -55,14 +56,24 @@ if want throughput; then
   $K bench throughput $M --max-num-seqs 512 --workload benchmarks/workloads/throughput-512x512x256.json \
     --output-dir "$R/throughput512" > "$R/throughput512.log" 2>&1; tail -8 "$R/throughput512.log"
 fi
+# serve_bench NAME WORKLOAD RATES [kiln serve flags]: kiln serve in the background, kiln bench
+# serve against it, results under $R/NAME
+serve_bench() {
+  local name=$1 workload=$2 rates=$3; shift 3
+  PORT=$(python3 -c "import socket;s=socket.socket();s.bind(('127.0.0.1',0));print(s.getsockname()[1])")
+  $K serve $M "$@" --port "$PORT" > "$R/$name.log" 2>&1 & S=$!
+  $K bench serve --base-url "http://127.0.0.1:$PORT" --model benchmarks/workloads/llama-3.1-8b \
+    --workload "$workload" --request-rate "$rates" --num-warmups 4 \
+    --goodput ttft:500,tpot:50 --ready-check-timeout-sec 300 --output-dir "$R/$name" > "$R/bench_$name.log" 2>&1
+  tail -12 "$R/bench_$name.log"; kill -TERM $S; wait $S; echo "kiln serve exit status $?"
+}
 if want serve; then
   stage "bench serve at 3 request rates against kiln serve"
-  PORT=$(python3 -c "import socket;s=socket.socket();s.bind(('127.0.0.1',0));print(s.getsockname()[1])")
-  $K serve $M --no-enable-prefix-caching --port "$PORT" > "$R/serve.log" 2>&1 & S=$!
-  $K bench serve --base-url "http://127.0.0.1:$PORT" --model benchmarks/workloads/llama-3.1-8b \
-    --workload benchmarks/workloads/serve-64x512x128.json --request-rate 4,16,64 --num-warmups 4 \
-    --goodput ttft:500,tpot:50 --ready-check-timeout-sec 300 --output-dir "$R/serve" > "$R/bench_serve.log" 2>&1
-  tail -12 "$R/bench_serve.log"; kill -TERM $S; wait $S; echo "kiln serve exit status $?"
+  serve_bench serve benchmarks/workloads/serve-64x512x128.json 4,16,64 --no-enable-prefix-caching
+fi
+if want serve_prefix; then
+  stage "bench serve, prompts sharing a 1024-token prefix (prefix caching on)"
+  serve_bench serve_prefix benchmarks/workloads/serve-prefix-64x1024+256x128.json 4,16
 fi
 if want profile; then
   stage "profile"

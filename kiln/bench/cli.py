@@ -58,6 +58,10 @@ def workload_options(command: Any) -> Any:
         click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True),
                      default=0.0, show_default=True,
                      help="random: lengths uniform in [len*(1-r), len*(1+r)]"),
+        click.option("--prefix-len", "--random-prefix-len", "prefix_len",
+                     type=click.IntRange(min=0), default=0, show_default=True,
+                     help="tokens every prompt opens with (a shared system prompt), before "
+                          "its own --input-len"),
     ]
     for option in reversed(options):
         command = option(command)
@@ -66,7 +70,7 @@ def workload_options(command: Any) -> Any:
 
 def make_spec(seed: int | None, workload_file: str | None, dataset_name: str,
               dataset_path: str | None, num_prompts: int, input_len: int, output_len: int,
-              random_range_ratio: float) -> WorkloadSpec:
+              random_range_ratio: float, prefix_len: int) -> WorkloadSpec:
     """The workload from flags, or from ``--workload FILE`` with explicit flags winning.
 
     ``seed`` is None when not given on the command line.
@@ -74,7 +78,7 @@ def make_spec(seed: int | None, workload_file: str | None, dataset_name: str,
     ctx = click.get_current_context()
     values = {"dataset_name": dataset_name, "dataset_path": dataset_path,
               "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-              "random_range_ratio": random_range_ratio}
+              "random_range_ratio": random_range_ratio, "prefix_len": prefix_len}
     try:
         if workload_file is None:
             return WorkloadSpec(**values, seed=seed or 0)

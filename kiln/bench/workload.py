@@ -2,7 +2,9 @@
 
 ``fixed``: every prompt has ``input_len`` random token ids and asks for ``output_len`` tokens.
 ``random``: lengths drawn uniformly from ``[len * (1 - r), len * (1 + r)]`` (vLLM's
-``--random-range-ratio``). ``jsonl``: one JSON object per line with ``prompt`` (text or token
+``--random-range-ratio``). Either may open every prompt with the same ``prefix_len`` random
+tokens (vLLM's ``--random-prefix-len``: a shared system prompt, which the prefix cache serves
+after the first request). ``jsonl``: one JSON object per line with ``prompt`` (text or token
 ids) or ``prompt_token_ids``, and optionally ``output_len`` (or ``max_tokens``).
 
 Token ids are drawn with ``numpy.random.default_rng(seed)`` from ``[10, 120000)``, clipped to
@@ -30,6 +32,7 @@ class WorkloadSpec:
     input_len: int = 128
     output_len: int = 64
     random_range_ratio: float = 0.0
+    prefix_len: int = 0  # tokens every prompt opens with, before its own input_len
     seed: int = 0
     dataset_path: str | None = None
     token_id_low: int = TOKEN_ID_LOW
@@ -45,6 +48,11 @@ class WorkloadSpec:
         if not 0.0 <= self.random_range_ratio < 1.0:
             raise ValueError(f"random_range_ratio must be in [0, 1), got "
                              f"{self.random_range_ratio}")
+        if self.prefix_len < 0:
+            raise ValueError(f"prefix_len must be >= 0, got {self.prefix_len}")
+        if self.dataset_name == "jsonl" and self.prefix_len:
+            raise ValueError("prefix_len applies to the generated workloads (fixed, random), "
+                             "not to a JSONL dataset's own prompts")
         if self.dataset_name == "jsonl" and not self.dataset_path:
             raise ValueError("dataset_name='jsonl' needs --dataset-path FILE.jsonl")
         if not 0 <= self.token_id_low < self.token_id_high:
@@ -98,8 +106,11 @@ def build_requests(spec: WorkloadSpec, vocab_size: int | None = None) -> list[Be
     ratio = spec.random_range_ratio if spec.dataset_name == "random" else 0.0
     input_lens = _lengths(rng, spec.num_prompts, spec.input_len, ratio)
     output_lens = _lengths(rng, spec.num_prompts, spec.output_len, ratio)
-    return [BenchRequest(rng.integers(spec.token_id_low, high, size=int(n)).tolist(), int(m))
-            for n, m in zip(input_lens, output_lens, strict=True)]
+    # drawn only when asked for, so that a workload without one keeps its prompts
+    prefix = rng.integers(spec.token_id_low, high, size=spec.prefix_len).tolist() \
+        if spec.prefix_len else []
+    return [BenchRequest(prefix + rng.integers(spec.token_id_low, high, size=int(n)).tolist(),
+                         int(m)) for n, m in zip(input_lens, output_lens, strict=True)]
 
 
 WARMUP_SEED_OFFSET = 1_000_003  # warm-up prompts come from a stream no measured request uses

@@ -7,8 +7,10 @@ overhead, which dominates at small batch (decode) and for short prompts (time to
 Every graph reads its inputs from the same static buffers and shares one memory pool. Decode
 attention is captured with ``max_seqlen_k`` fixed at ``max_model_len``, which sets only its split
 count: the kernel cuts each sequence's real length over those splits on the device, so one graph
-serves every context length. A prefill graph of T tokens serves prompts of up to T tokens
-that start at position 0: padded rows write no KV and no later row reads them.
+serves every context length. A prefill graph of T tokens serves a prompt's last chunk of up to
+T tokens: the whole prompt, or what follows a cached prefix (a prefix-cache hit, or the rest of
+a prompt the token budget cut), whose keys the prefill kernel reads from the pages. Padded rows
+write no KV and no real row attends to them.
 """
 
 from __future__ import annotations
@@ -65,10 +67,10 @@ class StepGraphs:
         self.greedy_ids: dict[tuple[str, int], torch.Tensor] = {}  # [rows] argmax
         self.pool = None
         # One set per run, used in turn: with async scheduling the host fills step N+1's inputs
-        # while the copies of step N's (up to MAX_RUNS_PER_STEP runs) may still wait in the
-        # stream; it has waited for step N before it comes back to step N's sets.
+        # while the copies of step N's (up to MAX_RUNS_PER_STEP runs each) may still wait in
+        # the stream; it has waited for step N before it comes back to step N's sets.
         self._host = tuple(HostInputs(max_tokens, max_bs, max_blocks)
-                           for _ in range(MAX_RUNS_PER_STEP + 1))
+                           for _ in range(2 * MAX_RUNS_PER_STEP))
         self._turn = 0
 
     def _next_host_inputs(self) -> HostInputs:
@@ -126,19 +128,22 @@ class StepGraphs:
     def fits_prefill(self, num_tokens: int) -> bool:
         return bool(self.prefill_sizes) and num_tokens <= self.prefill_sizes[-1]
 
-    def run_prefill(self, tokens: list[int], table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One prompt from position 0: (logits [1, vocab], argmax [1]) at its last token."""
+    def run_prefill(self, tokens: list[int], start: int,
+                    table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt's last chunk, ``tokens`` at positions ``start``.. after the cached ones:
+        (logits [1, vocab], argmax [1]) at its last token."""
         n = len(tokens)
         size = next(t for t in self.prefill_sizes if t >= n)
         bs = self.block_size
         host = self._next_host_inputs()
         host.ids[:n] = torch.tensor(tokens)
-        host.positions[:size] = torch.arange(size)
-        slots = torch.tensor(table, dtype=torch.int64).repeat_interleave(bs)[:n] * bs \
-            + torch.arange(n) % bs
-        host.slots[:n] = slots
+        positions = torch.arange(start, start + n)
+        host.positions[:n] = positions
+        host.positions[n:size] = 0  # padded rows: any position the rotary table holds
+        pages = torch.tensor(table, dtype=torch.int64)
+        host.slots[:n] = pages[positions // bs] * bs + positions % bs
         host.slots[n:size] = -1
-        host.seq_lens[0] = n
+        host.seq_lens[0] = start + n
         host.prefill[0], host.prefill[1] = n, n - 1
         host.tables[0, : len(table)] = torch.tensor(table, dtype=torch.int32)
         for dst, src in ((self.input_ids, host.ids), (self.positions, host.positions),

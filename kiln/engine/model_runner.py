@@ -9,6 +9,7 @@ logprobs were asked for).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -133,21 +134,9 @@ class ModelRunner:
         self.apply_cache_ops(out)
         if self._graph_step(out.scheduled):
             return self._graph_decode(out.scheduled, lookahead_ids)
-        if (lookahead_ids is None and len(out.scheduled) == 1
-                and self._graph_prefills(out.scheduled[0])):
-            return self._graph_prefill(out.scheduled[0])
-        split = self._graph_split(out.scheduled) if lookahead_ids is None else None
+        split = self._graph_split(out.scheduled)
         if split is not None:
-            results = [self._graph_decode(split[0], None)]
-            # the graphs share one memory pool (and two prompts may replay the same graph):
-            # each replay's ids are copied out before the next replay may reuse their memory
-            ids = [results[0].token_ids.clone()]
-            for prompt in split[1]:
-                results.append(self._graph_prefill(prompt))
-                ids.append(results[-1].token_ids.clone())
-            return StepResult([seq for r in results for seq in r.seqs],
-                              [request for r in results for request in r.requests],
-                              torch.cat(ids), None, [])
+            return self._graph_runs(*split, lookahead_ids)
         # single-token rows first, so attention can send them to the decode kernel (a stable
         # sort: a chained step comes in this order already, as its lookahead ids are laid out)
         scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
@@ -171,31 +160,57 @@ class ModelRunner:
                 and all(item.num_new_tokens == 1 and item.samples for item in scheduled))
 
     def _graph_prefills(self, item: ScheduledSeq) -> bool:
-        """A whole short prompt from position 0 that a captured prefill graph holds (alone in
-        its step: the batch-1 first token; or beside decodes, see _graph_split)."""
-        return (self.graphs is not None and item.start == 0 and item.samples
+        """A prompt's last chunk (the whole prompt, or what follows its cached or already
+        computed part) that a captured prefill graph holds."""
+        return (self.graphs is not None and item.samples
                 and item.request.prompt_logprobs is None
                 and self.graphs.fits_prefill(item.num_new_tokens))
 
     def _graph_split(self, scheduled: list[ScheduledSeq]
                      ) -> tuple[list[ScheduledSeq], list[ScheduledSeq]] | None:
-        """Decodes beside one or two whole short prompts (requests admitted while others
-        decode), none asking for logprobs: (decodes, prompts) to replay as a decode graph and a
-        prefill graph per prompt. That reads the weights once more per prompt (~6 ms for an 8B
-        model) but skips the eager mixed step's Python launch (~37 ms); with three or more the
-        eager step's own GPU work (~11 ms per 512-token prompt) about covers it. Else None."""
+        """The last chunks of one or two prompts, alone (the batch-1 first token, a prefix-cache
+        hit) or beside decodes (requests admitted while others decode, the rest of a prompt the
+        token budget cut): (decodes, prompts) to replay as a decode graph and a prefill graph
+        per prompt, where several runs ask for no logprobs. Beside decodes, that reads the
+        weights once more per prompt (~6 ms for an 8B model) but skips the eager mixed step's
+        Python launch (~37 ms); with three or more the eager step's own GPU work (~11 ms per
+        512-token prompt) about covers it. Else None."""
         decodes = [item for item in scheduled if item.num_new_tokens == 1]
         prompts = [item for item in scheduled if item.num_new_tokens != 1]
-        if (not decodes or not 1 <= len(prompts) < MAX_RUNS_PER_STEP
-                or not self._graph_step(decodes)
+        if (not 1 <= len(prompts) < MAX_RUNS_PER_STEP
+                or (decodes and not self._graph_step(decodes))
                 or not all(self._graph_prefills(item) for item in prompts)
-                or any(item.seq.params.logprobs is not None for item in scheduled)):
+                or (len(scheduled) > 1
+                    and any(item.seq.params.logprobs is not None for item in scheduled))):
             return None
         return decodes, prompts
 
+    def _graph_runs(self, decodes: list[ScheduledSeq], prompts: list[ScheduledSeq],
+                    lookahead_ids: torch.Tensor | None) -> StepResult:
+        """Replay the decode graph (when there are decodes) and a prefill graph per prompt.
+        A chained step's lookahead ids start with the decodes' (see ``prepare``); the prompt
+        chunks' tokens are on the host."""
+        if lookahead_ids is not None:
+            lookahead_ids = lookahead_ids[: len(decodes)]
+        launches = [partial(self._graph_decode, decodes, lookahead_ids)] if decodes else []
+        launches += [partial(self._graph_prefill, prompt) for prompt in prompts]
+        if len(launches) == 1:
+            return launches[0]()
+        results, ids = [], []
+        for launch in launches:
+            results.append(launch())
+            # the graphs share one memory pool (and two prompts may replay the same graph):
+            # each replay's ids are copied out before the next replay may reuse their memory
+            ids.append(results[-1].token_ids.clone())
+        return StepResult([seq for r in results for seq in r.seqs],
+                          [request for r in results for request in r.requests],
+                          torch.cat(ids), None, [])
+
     def _graph_prefill(self, item: ScheduledSeq) -> StepResult:
-        tokens = item.seq.token_slice(0, item.num_new_tokens)
-        logits, greedy_ids = self.graphs.run_prefill(tokens, self.kv.block_table(item.seq.seq_id))
+        """One prompt's last chunk through a prefill graph (its tokens are on the host)."""
+        tokens = item.seq.token_slice(item.start, item.start + item.num_new_tokens)
+        logits, greedy_ids = self.graphs.run_prefill(tokens, item.start,
+                                                     self.kv.block_table(item.seq.seq_id))
         return self._graph_result([item], logits, greedy_ids)
 
     def _graph_result(self, scheduled: list[ScheduledSeq], logits: torch.Tensor,

@@ -35,6 +35,21 @@ def test_random_lengths_stay_in_range():
     assert min(out_lens) >= 20 and max(out_lens) <= 60
 
 
+def test_shared_prefix_opens_every_prompt():
+    """prefix_len tokens shared by every prompt, then each prompt's own input_len."""
+    plain = build_requests(WorkloadSpec("random", 6, 20, 4, random_range_ratio=0.5, seed=2))
+    shared = build_requests(WorkloadSpec("random", 6, 20, 4, random_range_ratio=0.5,
+                                         prefix_len=32, seed=2))
+    prefix = shared[0].prompt[:32]
+    assert all(r.prompt[:32] == prefix for r in shared)
+    assert [len(r.prompt) - 32 for r in shared] == [len(r.prompt) for r in plain]
+    assert len({tuple(r.prompt[32:]) for r in shared}) == 6
+    with pytest.raises(ValueError, match="prefix_len must be >= 0"):
+        WorkloadSpec(prefix_len=-1)
+    with pytest.raises(ValueError, match="JSONL"):
+        WorkloadSpec("jsonl", dataset_path="x.jsonl", prefix_len=8)
+
+
 def test_jsonl_round_trip_and_text_prompts(tmp_path):
     path = tmp_path / "w.jsonl"
     reqs = build_requests(WorkloadSpec("fixed", 3, 6, 5))

@@ -28,9 +28,10 @@ def _greedy(**extra) -> kiln.SamplingParams:
 
 
 def _admission(tiny_llama, new_prompts: list[list[int]], new_params: list, graphs=None,
-               num_running: int = 2, max_num_batched_tokens: int = 512):
+               num_running: int = 2, max_num_batched_tokens: int = 512, steps_between: int = 0):
     """The scheduled items of the step that admits ``new_prompts`` while ``num_running``
-    requests decode, and the runner (with ``graphs`` standing in for the captured ones)."""
+    requests decode (``steps_between`` steps after they arrive), and the runner (with
+    ``graphs`` standing in for the captured ones)."""
     engine = make_engine(tiny_llama, async_scheduling=False,
                          max_num_batched_tokens=max_num_batched_tokens)
     for i in range(num_running):
@@ -38,25 +39,62 @@ def _admission(tiny_llama, new_prompts: list[list[int]], new_params: list, graph
     engine.step()  # their prompts: they decode from now on
     for i, (prompt, params) in enumerate(zip(new_prompts, new_params, strict=True)):
         engine.add_request(f"new{i}", prompt, params)
+    for _ in range(steps_between):
+        engine.step()
     scheduled = engine.scheduler.schedule().scheduled
     engine.runner.graphs = graphs if graphs is not None else StandInGraphs()
     return engine.runner, scheduled
 
 
+@pytest.mark.parametrize("num_running", [0, 2])
 @pytest.mark.parametrize("lengths", [[30], [30, 10]])
-def test_decodes_beside_one_or_two_short_prompts_split(tiny_llama, lengths):
+def test_one_or_two_short_prompts_split(tiny_llama, lengths, num_running):
+    """Alone or beside decodes, one or two whole prompts replay a prefill graph each."""
     prompts = [[7 + i] * n for i, n in enumerate(lengths)]
-    runner, scheduled = _admission(tiny_llama, prompts, [_greedy() for _ in prompts])
+    runner, scheduled = _admission(tiny_llama, prompts, [_greedy() for _ in prompts],
+                                   num_running=num_running)
     decodes, admitted = runner._graph_split(scheduled)
-    assert [item.request.request_id for item in decodes] == ["running0", "running1"]
+    assert [item.request.request_id for item in decodes] == [
+        f"running{i}" for i in range(num_running)]
     assert [item.num_new_tokens for item in admitted] == lengths
 
 
+def test_a_lone_prompt_asking_for_logprobs_splits(tiny_llama):
+    """One run alone returns its own sampler output, logprobs included."""
+    runner, scheduled = _admission(tiny_llama, [[7] * 30], [_greedy(logprobs=2)], num_running=0)
+    assert runner._graph_split(scheduled) == ([], scheduled)
+
+
+def test_rest_of_a_cut_prompt_splits(tiny_llama):
+    """The budget takes 40 of a 60-token prompt's tokens (that chunk samples nothing, so its
+    step runs as one); the next step's last 20, after the 40 in the cache, ride with the decodes
+    in a prefill graph."""
+    runner, scheduled = _admission(tiny_llama, [[7] * 60], [_greedy()],
+                                   max_num_batched_tokens=42, steps_between=1)
+    decodes, admitted = runner._graph_split(scheduled)
+    assert len(decodes) == 2
+    assert [(item.start, item.num_new_tokens) for item in admitted] == [(40, 20)]
+
+
+def test_prefix_cache_hit_alone_replays_a_prefill_graph(tiny_llama):
+    """A prompt whose first blocks are cached computes only its tail: alone in its step, that
+    tail replays a prefill graph (a whole prompt alone does too: the batch-1 first token)."""
+    engine = make_engine(tiny_llama, async_scheduling=False, enable_prefix_caching=True)
+    shared = [9] * 48
+    engine.add_request("first", shared + [3] * 8, _greedy())
+    engine.run_to_completion()
+    engine.add_request("hit", shared + [4] * 8, _greedy())
+    scheduled = engine.scheduler.schedule().scheduled
+    engine.runner.graphs = StandInGraphs()
+    assert scheduled[0].start > 0
+    assert engine.runner._graph_split(scheduled) == ([], scheduled)
+
+
 @pytest.mark.parametrize("case", ["three prompts", "long prompt", "cut prompt", "logprobs",
-                                  "prompt logprobs", "batch too large", "no decodes"])
+                                  "prompt logprobs", "batch too large"])
 def test_other_steps_do_not_split(tiny_llama, case):
-    """Anything but decodes beside one or two whole prompts that prefill graphs hold, none
-    asking for logprobs, runs as one step."""
+    """Anything but one or two prompts' last chunks that prefill graphs hold, beside decodes
+    that a decode graph holds, where none asks for logprobs, runs as one step."""
     prompts, params, options = [[7] * 30], [_greedy()], {}
     if case == "three prompts":
         prompts, params = [[7] * 30, [8] * 10, [9] * 5], [_greedy()] * 3
@@ -70,8 +108,6 @@ def test_other_steps_do_not_split(tiny_llama, case):
         params = [_greedy(prompt_logprobs=1)]
     elif case == "batch too large":
         options = {"graphs": StandInGraphs(max_batch=1)}
-    elif case == "no decodes":
-        options = {"num_running": 0}
     runner, scheduled = _admission(tiny_llama, prompts, params, **options)
     assert runner._graph_split(scheduled) is None
 

@@ -160,6 +160,21 @@ def test_engine_triton_backend_matches_torch_backend_in_float32():
     assert rate >= 0.99
 
 
+def _staggered_tokens(prompts, params, gaps: list[int], **options) -> list[list[int]]:
+    """kiln-tiny float32 greedy tokens of requests that arrive while the earlier ones decode:
+    ``gaps[i]`` steps run after request i arrives."""
+    engine = LLMEngine.from_kwargs("kiln-tiny", dtype="float32", device="cuda",
+                                   num_kv_blocks=4096, **options)
+    done = {}
+    for i, (prompt, sp, gap) in enumerate(zip(prompts, params, gaps, strict=True)):
+        engine.add_request(str(i), prompt, sp)
+        for _ in range(gap):
+            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    done |= {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
+    assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
+    return [done[str(i)] for i in range(len(prompts))]
+
+
 def test_prompt_admitted_beside_decodes_replays_two_graphs(monkeypatch):
     """Requests admitted while others decode, one or two at a time: the step replays the
     decode graph and a prefill graph per prompt instead of one eager mixed step, and every token
@@ -168,7 +183,7 @@ def test_prompt_admitted_beside_decodes_replays_two_graphs(monkeypatch):
     from kiln.engine.model_runner import ModelRunner
 
     prompts, _ = _heldout_workload(12, seed=5)
-    params = kiln.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = [kiln.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 12
     splits = []
     real_split = ModelRunner._graph_split
 
@@ -178,26 +193,45 @@ def test_prompt_admitted_beside_decodes_replays_two_graphs(monkeypatch):
         return split
 
     monkeypatch.setattr(ModelRunner, "_graph_split", counting_split)
-
-    def staggered(**options) -> list[list[int]]:
-        engine = LLMEngine.from_kwargs("kiln-tiny", dtype="float32", device="cuda",
-                                       num_kv_blocks=4096, **options)
-        done = {}
-        for i, prompt in enumerate(prompts):  # they arrive while the earlier ones decode
-            engine.add_request(str(i), prompt, params)
-            for _ in range(2 * (i % 3 != 1)):  # prompts 1, 4, 7, 10 arrive with the next one
-                done |= {o.request_id: o.outputs[0].token_ids for o in engine.step()
-                         if o.finished}
-        done |= {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
-        assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
-        return [done[str(i)] for i in range(len(prompts))]
-
-    eager = staggered(enforce_eager=True)
+    gaps = [2 * (i % 3 != 1) for i in range(12)]  # prompts 1, 4, 7, 10 come with the next one
+    eager = _staggered_tokens(prompts, params, gaps, enforce_eager=True)
     assert not any(splits)  # no graphs: nothing to split into
     for async_scheduling in (True, False):
         splits.clear()
-        assert staggered(async_scheduling=async_scheduling) == eager
+        assert _staggered_tokens(prompts, params, gaps, async_scheduling=async_scheduling) == eager
         assert sum(splits) >= len(prompts) // 2, splits
+
+
+def test_prompt_tails_after_cached_tokens_replay_prefill_graphs(monkeypatch):
+    """Prompts cut by a 64-token budget, and prompts whose first blocks another request left in
+    the prefix cache, compute their last chunk after tokens already in the pages: a prefill
+    graph replays it (beside decodes, or alone), its keys read from the pages, and every token
+    is the eager engine's (float32)."""
+    from kiln.engine.cuda_graphs import StepGraphs
+
+    heldout, _ = _heldout_workload(12, seed=7)
+    shared = max(heldout, key=len)[:80]
+    prompts = [shared + p if i % 2 else p for i, p in enumerate(heldout)]
+    params = [kiln.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 12
+    starts = []
+    real_run_prefill = StepGraphs.run_prefill
+
+    def recording_run_prefill(self, tokens, start, table):
+        starts.append(start)
+        return real_run_prefill(self, tokens, start, table)
+
+    monkeypatch.setattr(StepGraphs, "run_prefill", recording_run_prefill)
+    # each arrives alone, 7 steps after the one before: its last chunk (or the tail after a
+    # prefix hit) has the step's budget to itself beside the decodes; with async scheduling
+    # the rest of a cut prompt comes in a step chained to the one in flight
+    gaps = [7] * 12
+    eager = _staggered_tokens(prompts, params, gaps, enforce_eager=True,
+                              max_num_batched_tokens=64)
+    for async_scheduling in (True, False):
+        starts.clear()
+        assert _staggered_tokens(prompts, params, gaps, max_num_batched_tokens=64,
+                                 async_scheduling=async_scheduling) == eager
+        assert sum(start > 0 for start in starts) >= 4, starts
 
 
 @pytest.mark.parametrize("quantization", [None, "int4", "int8", "fp8"])
