@@ -1,4 +1,5 @@
-"""Tile sweep of kiln/kernels/gemm.py against cuBLAS at decode batch sizes.
+"""Tile sweep of kiln/kernels/gemm.py against cuBLAS at decode batch sizes (and beyond 64 rows,
+where the engine leaves the GEMMs to cuBLAS: --ms 128,256,512 --dtypes bf16 shows by how much).
 
     PYTHONPATH=. python3 benchmarks/gemm_sweep.py --out $OUT/gemm.json [--ms 16,32,64,128]
         [--dtypes bf16,fp8]
@@ -42,6 +43,10 @@ ALTERNATIVES = {
              (64, 32, 256, 8, 4), (64, 64, 256, 4, 3), (64, 32, 128, 4, 6), (64, 16, 256, 4, 4),
              (64, 64, 128, 8, 5), (64, 32, 128, 4, 7), (64, 32, 128, 4, 8), (64, 64, 128, 4, 5),
              (64, 128, 128, 4, 4)],
+    # M > 64 (mixed steps, the 512-request workload's decode steps): compute-bound tiles
+    "bf16_large": [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+                   (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3),
+                   (128, 128, 128, 8, 3), (128, 64, 128, 4, 3), (64, 128, 128, 4, 3)],
 }
 
 
@@ -87,7 +92,9 @@ def run_case(n: int, k: int, m: int, dtype: str, layer: str) -> list[dict]:
     ref = (silu_and_mul_ref(ref.bfloat16()) if gated else ref).double()
     default = gemm_config(m, n, k, weights[0].element_size(), num_sms(x.device))
     configs = {"default": default} | {
-        str(c): GemmTiles(*c) for c in ALTERNATIVES[dtype] if layer in ("qkv", "o_proj",
+        str(c): GemmTiles(*c) for c in ALTERNATIVES.get(f"{dtype}_large" if m > 64 else dtype,
+                                                          ALTERNATIVES[dtype])
+        if layer in ("qkv", "o_proj",
                                                                           "gate_up", "down_proj")
         and k % c[2] == 0 and (c[0] >= min(m, 64) or c[0] == 16)}
     paths = {"cublas": cublas} | {label: triton_path(cfg) for label, cfg in configs.items()}
