@@ -1,16 +1,19 @@
-"""CUDA graphs for decode steps (a ladder of batch sizes) and for short single-prompt prefills
-(a ladder of token counts), each replayed padded up to the next captured size; a step that
-admits one or two short prompts beside decodes replays the decode graph and a prefill graph each.
+"""CUDA graphs for decode steps (a ladder of batch sizes) and for prefills of up to
+MAX_PREFILL_SEQS prompts together (a ladder of token counts), each replayed padded up to the
+next captured size; a step that admits prompts beside decodes replays the decode graph, then the
+prefill graph of its prompts.
 
 A step launches hundreds of small kernels; replaying a captured graph removes their launch
 overhead, which dominates at small batch (decode) and for short prompts (time to first token).
 Every graph reads its inputs from the same static buffers and shares one memory pool. Decode
 attention is captured with ``max_seqlen_k`` fixed at ``max_model_len``, which sets only its split
 count: the kernel cuts each sequence's real length over those splits on the device, so one graph
-serves every context length. A prefill graph of T tokens serves a prompt's last chunk of up to
-T tokens: the whole prompt, or what follows a cached prefix (a prefix-cache hit, or the rest of
-a prompt the token budget cut), whose keys the prefill kernel reads from the pages. Padded rows
-write no KV and no real row attends to them.
+serves every context length. A prefill graph of T tokens serves the last chunks of up to
+MAX_PREFILL_SEQS prompts, T tokens in all, laid end to end (varlen, as the eager step lays them):
+each the whole prompt, or what follows a cached prefix (a prefix-cache hit, or the rest of a
+prompt the token budget cut), whose keys the prefill kernel reads from the pages. Sequence slots
+left empty have no query rows, so their attention programs return at once; padded rows write no
+KV and no real row attends to them.
 """
 
 from __future__ import annotations
@@ -34,9 +37,12 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
     return capped + [max_num_seqs]
 
 
-PREFILL_SIZES = (16, 32, 64, 128, 256, 512)
-# graphs a step may replay: its decodes' and the prefill of up to two prompts it admits
-MAX_RUNS_PER_STEP = 3
+PREFILL_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024)
+# prompts one prefill graph holds: a step's admissions (beyond that the step is eager, and its
+# prefill GEMMs about cover the launch)
+MAX_PREFILL_SEQS = 8
+# graphs a step may replay: its decodes', then its prompts'
+MAX_RUNS_PER_STEP = 2
 
 
 class StepGraphs:
@@ -56,8 +62,11 @@ class StepGraphs:
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, **on)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, **on)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, **on)
-        self.prefill_cu_seqlens_q = torch.zeros(2, dtype=torch.int32, **on)
-        self.last_index = torch.zeros(1, dtype=torch.int64, **on)  # the prompt's last row
+        seqs = MAX_PREFILL_SEQS
+        self.prefill_cu_seqlens_q = torch.zeros(seqs + 1, dtype=torch.int32, **on)
+        self.prefill_seq_lens = torch.ones(seqs, dtype=torch.int32, **on)
+        self.prefill_block_tables = torch.zeros(seqs, max_blocks, dtype=torch.int32, **on)
+        self.last_index = torch.zeros(seqs, dtype=torch.int64, **on)  # each prompt's last row
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, **on)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, **on)
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, **on)
@@ -69,7 +78,7 @@ class StepGraphs:
         # One set per run, used in turn: with async scheduling the host fills step N+1's inputs
         # while the copies of step N's (up to MAX_RUNS_PER_STEP runs each) may still wait in
         # the stream; it has waited for step N before it comes back to step N's sets.
-        self._host = tuple(HostInputs(max_tokens, max_bs, max_blocks)
+        self._host = tuple(HostInputs(max_tokens, max(max_bs, seqs), max_blocks)
                            for _ in range(2 * MAX_RUNS_PER_STEP))
         self._turn = 0
 
@@ -86,7 +95,7 @@ class StepGraphs:
     def _prefill_meta(self, num_tokens: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens], cu_seqlens_q=self.prefill_cu_seqlens_q,
-            seq_lens=self.seq_lens[:1], block_tables=self.block_tables[:1],
+            seq_lens=self.prefill_seq_lens, block_tables=self.prefill_block_tables,
             max_seqlen_q=num_tokens, max_seqlen_k=num_tokens, kv_caches=self.kv_caches,
             backend="triton")
 
@@ -105,7 +114,7 @@ class StepGraphs:
         start = time.perf_counter()
         keys = [("prefill", t) for t in reversed(self.prefill_sizes)] + \
             [("decode", bs) for bs in reversed(self.batch_sizes)]
-        self.prefill_cu_seqlens_q[1] = 1
+        self.prefill_cu_seqlens_q[1:] = 1  # one query row (of the first sequence slot)
         for key in keys:
             self._forward(key)  # warm-up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize()
@@ -125,38 +134,51 @@ class StepGraphs:
     def fits(self, num_seqs: int) -> bool:
         return bool(self.graphs) and num_seqs <= self.batch_sizes[-1]
 
-    def fits_prefill(self, num_tokens: int) -> bool:
-        return bool(self.prefill_sizes) and num_tokens <= self.prefill_sizes[-1]
+    def fits_prefill(self, num_new_tokens: list[int]) -> bool:
+        """Whether one prefill graph holds chunks of these lengths."""
+        return (bool(self.prefill_sizes) and len(num_new_tokens) <= MAX_PREFILL_SEQS
+                and sum(num_new_tokens) <= self.prefill_sizes[-1])
 
-    def run_prefill(self, tokens: list[int], start: int,
-                    table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A prompt's last chunk, ``tokens`` at positions ``start``.. after the cached ones:
-        (logits [1, vocab], argmax [1]) at its last token."""
-        n = len(tokens)
-        size = next(t for t in self.prefill_sizes if t >= n)
+    def run_prefill(self, chunks: list[tuple[list[int], int, list[int]]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts' last chunks, each (tokens, start, block table): its tokens at positions
+        ``start``.. after the cached ones. Returns (logits [chunks, vocab], argmax [chunks]) at
+        each chunk's last token."""
+        total = sum(len(tokens) for tokens, _, _ in chunks)
+        size = next(t for t in self.prefill_sizes if t >= total)
         bs = self.block_size
         host = self._next_host_inputs()
-        host.ids[:n] = torch.tensor(tokens)
-        positions = torch.arange(start, start + n)
-        host.positions[:n] = positions
-        host.positions[n:size] = 0  # padded rows: any position the rotary table holds
-        pages = torch.tensor(table, dtype=torch.int64)
-        host.slots[:n] = pages[positions // bs] * bs + positions % bs
-        host.slots[n:size] = -1
-        host.seq_lens[0] = start + n
-        host.prefill[0], host.prefill[1] = n, n - 1
-        host.tables[0, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        row, width = 0, max(len(table) for _, _, table in chunks)
+        host.prefill_cu[0] = 0
+        for i, (tokens, start, table) in enumerate(chunks):
+            n = len(tokens)
+            positions = torch.arange(start, start + n)
+            pages = torch.tensor(table, dtype=torch.int64)
+            host.ids[row:row + n] = torch.tensor(tokens)
+            host.positions[row:row + n] = positions
+            host.slots[row:row + n] = pages[positions // bs] * bs + positions % bs
+            host.seq_lens[i] = start + n
+            host.tables[i, : len(table)] = pages
+            row += n
+            host.prefill_cu[i + 1] = row
+            host.prefill_last[i] = row - 1
+        used = len(chunks)
+        host.prefill_cu[used + 1:] = row  # empty slots: no query rows
+        host.seq_lens[used:MAX_PREFILL_SEQS] = 1
+        host.prefill_last[used:] = 0
+        host.positions[row:size] = 0  # padded rows: any position the rotary table holds
+        host.slots[row:size] = -1
         for dst, src in ((self.input_ids, host.ids), (self.positions, host.positions),
                          (self.slot_mapping, host.slots)):
             dst[:size].copy_(src[:size], non_blocking=True)
-        self.seq_lens[:1].copy_(host.seq_lens[:1], non_blocking=True)
-        self.prefill_cu_seqlens_q[1:].copy_(host.prefill[:1], non_blocking=True)
-        self.last_index.copy_(host.prefill[1:2], non_blocking=True)
-        self.block_tables[:1, : len(table)].copy_(host.tables[:1, : len(table)],
-                                                  non_blocking=True)
+        self.prefill_cu_seqlens_q.copy_(host.prefill_cu, non_blocking=True)
+        self.prefill_seq_lens.copy_(host.seq_lens[:MAX_PREFILL_SEQS], non_blocking=True)
+        self.last_index.copy_(host.prefill_last, non_blocking=True)
+        self.prefill_block_tables[:used, :width].copy_(host.tables[:used, :width],
+                                                       non_blocking=True)
         key = ("prefill", size)
         self.graphs[key].replay()
-        return self.logits[key], self.greedy_ids[key]
+        return self.logits[key][:used], self.greedy_ids[key][:used]
 
     def run(self, tokens: list[int] | torch.Tensor, positions: list[int],
             tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,11 +219,12 @@ class StepGraphs:
 class HostInputs:
     """Pinned host mirrors of one step's inputs: the host writes them, one async copy each."""
 
-    def __init__(self, max_tokens: int, max_bs: int, max_blocks: int) -> None:
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int) -> None:
         pinned = {"pin_memory": True}
         self.ids = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
         self.slots = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
-        self.prefill = torch.zeros(3, dtype=torch.int64, **pinned)  # q_len, last row
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, **pinned)
-        self.tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, **pinned)
+        self.prefill_cu = torch.zeros(MAX_PREFILL_SEQS + 1, dtype=torch.int32, **pinned)
+        self.prefill_last = torch.zeros(MAX_PREFILL_SEQS, dtype=torch.int64, **pinned)
+        self.seq_lens = torch.ones(max_rows, dtype=torch.int32, **pinned)
+        self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, **pinned)

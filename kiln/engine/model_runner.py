@@ -9,14 +9,13 @@ logprobs were asked for).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
 
 from kiln.cache.kv_cache import KVCache
 from kiln.cache.kv_cache_manager import KVCacheManager
-from kiln.engine.cuda_graphs import MAX_RUNS_PER_STEP, StepGraphs
+from kiln.engine.cuda_graphs import StepGraphs
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kiln.engine.sequence import Sequence
@@ -159,59 +158,52 @@ class ModelRunner:
         return (self.graphs is not None and self.graphs.fits(len(scheduled))
                 and all(item.num_new_tokens == 1 and item.samples for item in scheduled))
 
-    def _graph_prefills(self, item: ScheduledSeq) -> bool:
-        """A prompt's last chunk (the whole prompt, or what follows its cached or already
-        computed part) that a captured prefill graph holds."""
-        return (self.graphs is not None and item.samples
-                and item.request.prompt_logprobs is None
-                and self.graphs.fits_prefill(item.num_new_tokens))
-
     def _graph_split(self, scheduled: list[ScheduledSeq]
                      ) -> tuple[list[ScheduledSeq], list[ScheduledSeq]] | None:
-        """The last chunks of one or two prompts, alone (the batch-1 first token, a prefix-cache
-        hit) or beside decodes (requests admitted while others decode, the rest of a prompt the
-        token budget cut): (decodes, prompts) to replay as a decode graph and a prefill graph
-        per prompt, where several runs ask for no logprobs. Beside decodes, that reads the
-        weights once more per prompt (~6 ms for an 8B model) but skips the eager mixed step's
-        Python launch (~37 ms); with three or more the eager step's own GPU work (~11 ms per
-        512-token prompt) about covers it. Else None."""
+        """Prompts' last chunks that one prefill graph holds (whole prompts, or what follows
+        their cached or already computed part), none asking for prompt logprobs, alone (the
+        batch-1 first token, a prefix-cache hit) or beside decodes that a decode graph holds
+        (requests admitted while others decode, the rest of a prompt the token budget cut; then
+        none asks for logprobs, which the two replays' merged result does not carry):
+        (decodes, prompts) to replay as the decode graph and the prompts' prefill graph. Beside
+        decodes that reads the weights once more (~6 ms for an 8B model) but skips the eager
+        mixed step's Python launch (~37 ms). Else None."""
+        if self.graphs is None:
+            return None
         decodes = [item for item in scheduled if item.num_new_tokens == 1]
         prompts = [item for item in scheduled if item.num_new_tokens != 1]
-        if (not 1 <= len(prompts) < MAX_RUNS_PER_STEP
-                or (decodes and not self._graph_step(decodes))
-                or not all(self._graph_prefills(item) for item in prompts)
-                or (len(scheduled) > 1
-                    and any(item.seq.params.logprobs is not None for item in scheduled))):
+        if (not prompts or (decodes and not self._graph_step(decodes))
+                or not all(item.samples and item.request.prompt_logprobs is None
+                           for item in prompts)
+                or not self.graphs.fits_prefill([item.num_new_tokens for item in prompts])
+                or (decodes and any(item.seq.params.logprobs is not None
+                                    for item in scheduled))):
             return None
         return decodes, prompts
 
     def _graph_runs(self, decodes: list[ScheduledSeq], prompts: list[ScheduledSeq],
                     lookahead_ids: torch.Tensor | None) -> StepResult:
-        """Replay the decode graph (when there are decodes) and a prefill graph per prompt.
+        """Replay the decode graph (when there are decodes), then the prompts' prefill graph.
         A chained step's lookahead ids start with the decodes' (see ``prepare``); the prompt
         chunks' tokens are on the host."""
+        if not decodes:
+            return self._graph_prefill(prompts)
         if lookahead_ids is not None:
             lookahead_ids = lookahead_ids[: len(decodes)]
-        launches = [partial(self._graph_decode, decodes, lookahead_ids)] if decodes else []
-        launches += [partial(self._graph_prefill, prompt) for prompt in prompts]
-        if len(launches) == 1:
-            return launches[0]()
-        results, ids = [], []
-        for launch in launches:
-            results.append(launch())
-            # the graphs share one memory pool (and two prompts may replay the same graph):
-            # each replay's ids are copied out before the next replay may reuse their memory
-            ids.append(results[-1].token_ids.clone())
-        return StepResult([seq for r in results for seq in r.seqs],
-                          [request for r in results for request in r.requests],
-                          torch.cat(ids), None, [])
+        first = self._graph_decode(decodes, lookahead_ids)
+        # the graphs share one memory pool: the decode ids are copied out before the prefill
+        # replay may reuse their memory
+        first_ids = first.token_ids.clone()
+        second = self._graph_prefill(prompts)
+        return StepResult(first.seqs + second.seqs, first.requests + second.requests,
+                          torch.cat([first_ids, second.token_ids]), None, [])
 
-    def _graph_prefill(self, item: ScheduledSeq) -> StepResult:
-        """One prompt's last chunk through a prefill graph (its tokens are on the host)."""
-        tokens = item.seq.token_slice(item.start, item.start + item.num_new_tokens)
-        logits, greedy_ids = self.graphs.run_prefill(tokens, item.start,
-                                                     self.kv.block_table(item.seq.seq_id))
-        return self._graph_result([item], logits, greedy_ids)
+    def _graph_prefill(self, prompts: list[ScheduledSeq]) -> StepResult:
+        """Prompts' last chunks through one prefill graph (their tokens are on the host)."""
+        chunks = [(item.seq.token_slice(item.start, item.start + item.num_new_tokens),
+                   item.start, self.kv.block_table(item.seq.seq_id)) for item in prompts]
+        logits, greedy_ids = self.graphs.run_prefill(chunks)
+        return self._graph_result(prompts, logits, greedy_ids)
 
     def _graph_result(self, scheduled: list[ScheduledSeq], logits: torch.Tensor,
                       greedy_ids: torch.Tensor) -> StepResult:

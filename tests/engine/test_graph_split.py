@@ -13,14 +13,14 @@ import kiln
 class StandInGraphs:
     """The two questions the runner asks the captured graphs."""
 
-    def __init__(self, max_batch: int = 8, max_prompt: int = 64) -> None:
-        self.max_batch, self.max_prompt = max_batch, max_prompt
+    def __init__(self, max_batch: int = 8, max_tokens: int = 64, max_prompts: int = 3) -> None:
+        self.max_batch, self.max_tokens, self.max_prompts = max_batch, max_tokens, max_prompts
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
 
-    def fits_prefill(self, num_tokens: int) -> bool:
-        return num_tokens <= self.max_prompt
+    def fits_prefill(self, num_new_tokens: list[int]) -> bool:
+        return len(num_new_tokens) <= self.max_prompts and sum(num_new_tokens) <= self.max_tokens
 
 
 def _greedy(**extra) -> kiln.SamplingParams:
@@ -47,9 +47,10 @@ def _admission(tiny_llama, new_prompts: list[list[int]], new_params: list, graph
 
 
 @pytest.mark.parametrize("num_running", [0, 2])
-@pytest.mark.parametrize("lengths", [[30], [30, 10]])
-def test_one_or_two_short_prompts_split(tiny_llama, lengths, num_running):
-    """Alone or beside decodes, one or two whole prompts replay a prefill graph each."""
+@pytest.mark.parametrize("lengths", [[30], [30, 10], [30, 10, 20]])
+def test_prompts_one_prefill_graph_holds_split(tiny_llama, lengths, num_running):
+    """Alone or beside decodes, whole prompts that one prefill graph holds (64 tokens and three
+    prompts here) replay it."""
     prompts = [[7 + i] * n for i, n in enumerate(lengths)]
     runner, scheduled = _admission(tiny_llama, prompts, [_greedy() for _ in prompts],
                                    num_running=num_running)
@@ -90,14 +91,16 @@ def test_prefix_cache_hit_alone_replays_a_prefill_graph(tiny_llama):
     assert engine.runner._graph_split(scheduled) == ([], scheduled)
 
 
-@pytest.mark.parametrize("case", ["three prompts", "long prompt", "cut prompt", "logprobs",
-                                  "prompt logprobs", "batch too large"])
+@pytest.mark.parametrize("case", ["four prompts", "too many tokens", "long prompt", "cut prompt",
+                                  "logprobs", "prompt logprobs", "batch too large"])
 def test_other_steps_do_not_split(tiny_llama, case):
-    """Anything but one or two prompts' last chunks that prefill graphs hold, beside decodes
-    that a decode graph holds, where none asks for logprobs, runs as one step."""
+    """Anything but prompts' last chunks that one prefill graph holds, beside decodes that a
+    decode graph holds, where none asks for logprobs, runs as one step."""
     prompts, params, options = [[7] * 30], [_greedy()], {}
-    if case == "three prompts":
-        prompts, params = [[7] * 30, [8] * 10, [9] * 5], [_greedy()] * 3
+    if case == "four prompts":
+        prompts, params = [[7] * 10, [8] * 10, [9] * 5, [10] * 5], [_greedy()] * 4
+    elif case == "too many tokens":  # 65 in all, a graph of 64
+        prompts, params = [[7] * 30, [8] * 35], [_greedy()] * 2
     elif case == "long prompt":
         prompts = [[7] * 65]
     elif case == "cut prompt":  # the budget takes 40 of its 60 tokens

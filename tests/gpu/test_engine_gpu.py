@@ -175,10 +175,25 @@ def _staggered_tokens(prompts, params, gaps: list[int], **options) -> list[list[
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def test_prompt_admitted_beside_decodes_replays_two_graphs(monkeypatch):
-    """Requests admitted while others decode, one or two at a time: the step replays the
-    decode graph and a prefill graph per prompt instead of one eager mixed step, and every token
-    is the eager engine's (float32: no bf16 near-tie flips), with and without async
+def _record_prefill_replays(monkeypatch) -> list[list[int]]:
+    """The start positions of the chunks of every prefill-graph replay, as they happen."""
+    from kiln.engine.cuda_graphs import StepGraphs
+
+    replays = []
+    real_run_prefill = StepGraphs.run_prefill
+
+    def recording_run_prefill(self, chunks):
+        replays.append([start for _, start, _ in chunks])
+        return real_run_prefill(self, chunks)
+
+    monkeypatch.setattr(StepGraphs, "run_prefill", recording_run_prefill)
+    return replays
+
+
+def test_prompts_admitted_beside_decodes_replay_two_graphs(monkeypatch):
+    """Requests admitted while others decode, one to three at a time: the step replays the
+    decode graph and one prefill graph for its prompts instead of one eager mixed step, and
+    every token is the eager engine's (float32: no bf16 near-tie flips), with and without async
     scheduling."""
     from kiln.engine.model_runner import ModelRunner
 
@@ -189,17 +204,21 @@ def test_prompt_admitted_beside_decodes_replays_two_graphs(monkeypatch):
 
     def counting_split(self, scheduled):
         split = real_split(self, scheduled)
-        splits.append(split is not None)
+        splits.append(split is not None and len(split[0]) > 0)
         return split
 
     monkeypatch.setattr(ModelRunner, "_graph_split", counting_split)
-    gaps = [2 * (i % 3 != 1) for i in range(12)]  # prompts 1, 4, 7, 10 come with the next one
+    replays = _record_prefill_replays(monkeypatch)
+    # admitted together: {0}, {1, 2}, {3, 4, 5}, {6}, {7, 8, 9}, {10}, {11}
+    gaps = [2, 0, 2, 0, 0, 2, 2, 0, 0, 2, 2, 2]
     eager = _staggered_tokens(prompts, params, gaps, enforce_eager=True)
-    assert not any(splits)  # no graphs: nothing to split into
+    assert not any(splits) and not replays  # no graphs: nothing to split into
     for async_scheduling in (True, False):
         splits.clear()
+        replays.clear()
         assert _staggered_tokens(prompts, params, gaps, async_scheduling=async_scheduling) == eager
-        assert sum(splits) >= len(prompts) // 2, splits
+        assert sum(splits) >= 4, splits
+        assert max(len(chunks) for chunks in replays) == 3, replays
 
 
 def test_prompt_tails_after_cached_tokens_replay_prefill_graphs(monkeypatch):
@@ -207,20 +226,11 @@ def test_prompt_tails_after_cached_tokens_replay_prefill_graphs(monkeypatch):
     the prefix cache, compute their last chunk after tokens already in the pages: a prefill
     graph replays it (beside decodes, or alone), its keys read from the pages, and every token
     is the eager engine's (float32)."""
-    from kiln.engine.cuda_graphs import StepGraphs
-
     heldout, _ = _heldout_workload(12, seed=7)
     shared = max(heldout, key=len)[:80]
     prompts = [shared + p if i % 2 else p for i, p in enumerate(heldout)]
     params = [kiln.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 12
-    starts = []
-    real_run_prefill = StepGraphs.run_prefill
-
-    def recording_run_prefill(self, tokens, start, table):
-        starts.append(start)
-        return real_run_prefill(self, tokens, start, table)
-
-    monkeypatch.setattr(StepGraphs, "run_prefill", recording_run_prefill)
+    replays = _record_prefill_replays(monkeypatch)
     # each arrives alone, 7 steps after the one before: its last chunk (or the tail after a
     # prefix hit) has the step's budget to itself beside the decodes; with async scheduling
     # the rest of a cut prompt comes in a step chained to the one in flight
@@ -228,10 +238,10 @@ def test_prompt_tails_after_cached_tokens_replay_prefill_graphs(monkeypatch):
     eager = _staggered_tokens(prompts, params, gaps, enforce_eager=True,
                               max_num_batched_tokens=64)
     for async_scheduling in (True, False):
-        starts.clear()
+        replays.clear()
         assert _staggered_tokens(prompts, params, gaps, max_num_batched_tokens=64,
                                  async_scheduling=async_scheduling) == eager
-        assert sum(start > 0 for start in starts) >= 4, starts
+        assert sum(start > 0 for starts in replays for start in starts) >= 4, replays
 
 
 @pytest.mark.parametrize("quantization", [None, "int4", "int8", "fp8"])
