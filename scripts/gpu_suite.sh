@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call on the device machine (see ../shared/GPU.md):
 #   scripts/gpu_suite.sh [STAGES]   STAGES: comma list of tests,kernels,quant,reference,
-#                                   latency,throughput,serve,serve_prefix,profile,quantized
+#                                   latency,throughput,serve,serve_short,serve_prefix,
+#                                   profile,quantized
 #                                   (default: all)
 # Writes everything under $OUT/suite (tarred to $OUT/suite.tgz at the end) and prints a summary.
 # Run from the repository root; kiln is used from the tree (PYTHONPATH=.), nothing is installed.
@@ -15,7 +16,7 @@ export KILN_GIT_COMMIT=${KILN_GIT_COMMIT:-$(cat .git-commit 2>/dev/null || echo 
 OUT=${OUT:-out/gpu}
 R=$OUT/suite
 mkdir -p "$R"
-STAGES=",${1:-tests,kernels,quant,reference,latency,throughput,serve,serve_prefix,profile,quantized},"
+STAGES=",${1:-tests,kernels,quant,reference,latency,throughput,serve,serve_short,serve_prefix,profile,quantized},"
 M="--model benchmarks/workloads/llama-3.1-8b --load-format dummy --max-model-len 4096"
 K="python3 -m kiln.cli"
 want() { [[ $STAGES == *",$1,"* ]]; }
@@ -70,6 +71,10 @@ serve_bench() {
 if want serve; then
   stage "bench serve at 3 request rates against kiln serve"
   serve_bench serve benchmarks/workloads/serve-64x512x128.json 4,16,64 --no-enable-prefix-caching
+fi
+if want serve_short; then
+  stage "bench serve, 128-token prompts"
+  serve_bench serve_short benchmarks/workloads/serve-64x128x128.json 16,64 --no-enable-prefix-caching
 fi
 if want serve_prefix; then
   stage "bench serve, prompts sharing a 1024-token prefix (prefix caching on)"
