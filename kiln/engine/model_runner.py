@@ -132,7 +132,7 @@ class ModelRunner:
         """Launch the step; ``lookahead_ids`` as in ``prepare``."""
         self.apply_cache_ops(out)
         if self._graph_step(out.scheduled):
-            return self._graph_decode(out.scheduled, lookahead_ids)
+            return self._graph_runs(out.scheduled, [], lookahead_ids)
         split = self._graph_split(out.scheduled)
         if split is not None:
             return self._graph_runs(*split, lookahead_ids)
@@ -163,8 +163,7 @@ class ModelRunner:
         """Prompts' last chunks that one prefill graph holds (whole prompts, or what follows
         their cached or already computed part), none asking for prompt logprobs, alone (the
         batch-1 first token, a prefix-cache hit) or beside decodes that a decode graph holds
-        (requests admitted while others decode, the rest of a prompt the token budget cut; then
-        none asks for logprobs, which the two replays' merged result does not carry):
+        (requests admitted while others decode, the rest of a prompt the token budget cut):
         (decodes, prompts) to replay as the decode graph and the prompts' prefill graph. Beside
         decodes that reads the weights once more (~6 ms for an 8B model) but skips the eager
         mixed step's Python launch (~37 ms). Else None."""
@@ -175,54 +174,47 @@ class ModelRunner:
         if (not prompts or (decodes and not self._graph_step(decodes))
                 or not all(item.samples and item.request.prompt_logprobs is None
                            for item in prompts)
-                or not self.graphs.fits_prefill([item.num_new_tokens for item in prompts])
-                or (decodes and any(item.seq.params.logprobs is not None
-                                    for item in scheduled))):
+                or not self.graphs.fits_prefill([item.num_new_tokens for item in prompts])):
             return None
         return decodes, prompts
 
     def _graph_runs(self, decodes: list[ScheduledSeq], prompts: list[ScheduledSeq],
                     lookahead_ids: torch.Tensor | None) -> StepResult:
-        """Replay the decode graph (when there are decodes), then the prompts' prefill graph.
-        A chained step's lookahead ids start with the decodes' (see ``prepare``); the prompt
-        chunks' tokens are on the host."""
-        if not decodes:
-            return self._graph_prefill(prompts)
-        if lookahead_ids is not None:
-            lookahead_ids = lookahead_ids[: len(decodes)]
-        first = self._graph_decode(decodes, lookahead_ids)
-        # the graphs share one memory pool: the decode ids are copied out before the prefill
-        # replay may reuse their memory
-        first_ids = first.token_ids.clone()
-        second = self._graph_prefill(prompts)
-        return StepResult(first.seqs + second.seqs, first.requests + second.requests,
-                          torch.cat([first_ids, second.token_ids]), None, [])
+        """Replay the decode graph (when there are decodes), then the prompts' prefill graph
+        (when there are prompts). Plain greedy batches take the argmax computed inside the
+        graphs; anything else samples their logits together. A chained step's lookahead ids
+        start with the decodes' (see ``prepare``); the prompt chunks' tokens are on the host."""
+        items = decodes + prompts
+        greedy = all(item.request.forked and _plain_greedy(item.seq.params) for item in items)
+        wanted = 1 if greedy else 0  # of each replay's (logits, argmax ids)
+        parts = []
+        if decodes:
+            ids = None if lookahead_ids is None else lookahead_ids[: len(decodes)]
+            parts.append(self._replay_decode(decodes, ids)[wanted])
+        if prompts:
+            if parts:  # the graphs share one memory pool: what the decode replay returned is
+                parts[0] = parts[0].clone()  # copied out before the prefill replay reuses it
+            parts.append(self._replay_prefill(prompts)[wanted])
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if greedy:
+            return StepResult([item.seq for item in items], [item.request for item in items],
+                              out, None, [])
+        return self._sample(out, [(item, row) for row, item in enumerate(items)], [])
 
-    def _graph_prefill(self, prompts: list[ScheduledSeq]) -> StepResult:
-        """Prompts' last chunks through one prefill graph (their tokens are on the host)."""
+    def _replay_decode(self, decodes: list[ScheduledSeq], lookahead_ids: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per sequence through a decode graph: (logits, argmax ids)."""
+        positions = [item.start for item in decodes]
+        tokens = lookahead_ids if lookahead_ids is not None else [
+            item.seq.token_slice(p, p + 1)[0] for item, p in zip(decodes, positions, strict=True)]
+        tables = [self.kv.block_table(item.seq.seq_id) for item in decodes]
+        return self.graphs.run(tokens, positions, tables)
+
+    def _replay_prefill(self, prompts: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts' last chunks through one prefill graph: (logits, argmax ids)."""
         chunks = [(item.seq.token_slice(item.start, item.start + item.num_new_tokens),
                    item.start, self.kv.block_table(item.seq.seq_id)) for item in prompts]
-        logits, greedy_ids = self.graphs.run_prefill(chunks)
-        return self._graph_result(prompts, logits, greedy_ids)
-
-    def _graph_result(self, scheduled: list[ScheduledSeq], logits: torch.Tensor,
-                      greedy_ids: torch.Tensor) -> StepResult:
-        """Plain greedy batches take the argmax computed inside the graph (no sampler)."""
-        if all(item.request.forked and _plain_greedy(item.seq.params) for item in scheduled):
-            seqs = [item.seq for item in scheduled]
-            return StepResult(seqs, [item.request for item in scheduled], greedy_ids, None, [])
-        return self._sample(logits, [(item, row) for row, item in enumerate(scheduled)], [])
-
-    def _graph_decode(self, scheduled: list[ScheduledSeq],
-                      lookahead_ids: torch.Tensor | None) -> StepResult:
-        """A pure decode step through the captured graphs."""
-        positions = [item.start for item in scheduled]
-        tokens = lookahead_ids if lookahead_ids is not None else [
-            item.seq.token_slice(p, p + 1)[0] for item, p in zip(scheduled, positions,
-                                                                  strict=True)]
-        tables = [self.kv.block_table(item.seq.seq_id) for item in scheduled]
-        logits, greedy_ids = self.graphs.run(tokens, positions, tables)
-        return self._graph_result(scheduled, logits, greedy_ids)
+        return self.graphs.run_prefill(chunks)
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledSeq, int]],
                 prompt_lps: list[tuple[ScheduledSeq, int, LogprobsTensors]]) -> StepResult:

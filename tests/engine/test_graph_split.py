@@ -60,10 +60,13 @@ def test_prompts_one_prefill_graph_holds_split(tiny_llama, lengths, num_running)
     assert [item.num_new_tokens for item in admitted] == lengths
 
 
-def test_a_lone_prompt_asking_for_logprobs_splits(tiny_llama):
-    """One run alone returns its own sampler output, logprobs included."""
-    runner, scheduled = _admission(tiny_llama, [[7] * 30], [_greedy(logprobs=2)], num_running=0)
-    assert runner._graph_split(scheduled) == ([], scheduled)
+@pytest.mark.parametrize("num_running", [0, 2])
+def test_prompts_asking_for_logprobs_split(tiny_llama, num_running):
+    """Logprobs come from sampling the replays' logits together, so they split like greedy."""
+    runner, scheduled = _admission(tiny_llama, [[7] * 30], [_greedy(logprobs=2)],
+                                   num_running=num_running)
+    decodes, prompts = runner._graph_split(scheduled)
+    assert (len(decodes), len(prompts)) == (num_running, 1)
 
 
 def test_rest_of_a_cut_prompt_splits(tiny_llama):
@@ -92,10 +95,10 @@ def test_prefix_cache_hit_alone_replays_a_prefill_graph(tiny_llama):
 
 
 @pytest.mark.parametrize("case", ["four prompts", "too many tokens", "long prompt", "cut prompt",
-                                  "logprobs", "prompt logprobs", "batch too large"])
+                                  "prompt logprobs", "batch too large"])
 def test_other_steps_do_not_split(tiny_llama, case):
-    """Anything but prompts' last chunks that one prefill graph holds, beside decodes that a
-    decode graph holds, where none asks for logprobs, runs as one step."""
+    """Anything but prompts' last chunks that one prefill graph holds (none asking for prompt
+    logprobs), beside decodes that a decode graph holds, runs as one step."""
     prompts, params, options = [[7] * 30], [_greedy()], {}
     if case == "four prompts":
         prompts, params = [[7] * 10, [8] * 10, [9] * 5, [10] * 5], [_greedy()] * 4
@@ -105,8 +108,6 @@ def test_other_steps_do_not_split(tiny_llama, case):
         prompts = [[7] * 65]
     elif case == "cut prompt":  # the budget takes 40 of its 60 tokens
         prompts, options = [[7] * 60], {"max_num_batched_tokens": 42}
-    elif case == "logprobs":
-        params = [_greedy(logprobs=2)]
     elif case == "prompt logprobs":
         params = [_greedy(prompt_logprobs=1)]
     elif case == "batch too large":

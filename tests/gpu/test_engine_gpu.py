@@ -160,19 +160,23 @@ def test_engine_triton_backend_matches_torch_backend_in_float32():
     assert rate >= 0.99
 
 
-def _staggered_tokens(prompts, params, gaps: list[int], **options) -> list[list[int]]:
-    """kiln-tiny float32 greedy tokens of requests that arrive while the earlier ones decode:
-    ``gaps[i]`` steps run after request i arrives."""
+def _staggered_outputs(prompts, params, gaps: list[int], **options) -> list:
+    """kiln-tiny float32 completions (each request's first) of requests that arrive while the
+    earlier ones decode: ``gaps[i]`` steps run after request i arrives."""
     engine = LLMEngine.from_kwargs("kiln-tiny", dtype="float32", device="cuda",
                                    num_kv_blocks=4096, **options)
     done = {}
     for i, (prompt, sp, gap) in enumerate(zip(prompts, params, gaps, strict=True)):
         engine.add_request(str(i), prompt, sp)
         for _ in range(gap):
-            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
-    done |= {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
+            done |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+    done |= {o.request_id: o.outputs[0] for o in engine.run_to_completion()}
     assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def _staggered_tokens(prompts, params, gaps: list[int], **options) -> list[list[int]]:
+    return [c.token_ids for c in _staggered_outputs(prompts, params, gaps, **options)]
 
 
 def _record_prefill_replays(monkeypatch) -> list[list[int]]:
@@ -219,6 +223,38 @@ def test_prompts_admitted_beside_decodes_replay_two_graphs(monkeypatch):
         assert _staggered_tokens(prompts, params, gaps, async_scheduling=async_scheduling) == eager
         assert sum(splits) >= 4, splits
         assert max(len(chunks) for chunks in replays) == 3, replays
+
+
+def test_graph_steps_sample_logprobs_and_penalties_like_eager(monkeypatch):
+    """Admissions beside decodes where requests ask for logprobs or penalties: the two replays'
+    logits are sampled together, and every token and logprob is the eager engine's (float32)."""
+    from kiln.engine.model_runner import ModelRunner
+
+    prompts, _ = _heldout_workload(12, seed=9)
+    variants = [{"logprobs": 2}, {"presence_penalty": 0.5, "frequency_penalty": 0.3},
+                {"repetition_penalty": 1.2, "logprobs": 1}, {}]
+    params = [kiln.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                  **variants[i % 4]) for i in range(12)]
+    splits = []
+    real_split = ModelRunner._graph_split
+
+    def counting_split(self, scheduled):
+        split = real_split(self, scheduled)
+        splits.append(split is not None and len(split[0]) > 0)
+        return split
+
+    monkeypatch.setattr(ModelRunner, "_graph_split", counting_split)
+    gaps = [2, 0, 2, 0, 0, 2, 2, 0, 0, 2, 2, 2]
+    eager = _staggered_outputs(prompts, params, gaps, enforce_eager=True)
+    splits.clear()
+    graphs = _staggered_outputs(prompts, params, gaps, async_scheduling=False)
+    assert sum(splits) >= 4, splits
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
+    for fast, ref in zip(graphs, eager, strict=True):
+        assert (fast.logprobs is None) == (ref.logprobs is None)
+        for got, want in zip(fast.logprobs or [], ref.logprobs or [], strict=True):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t] - want[t]) < 1e-3 for t in want), (got, want)
 
 
 def test_prompt_tails_after_cached_tokens_replay_prefill_graphs(monkeypatch):
