@@ -179,6 +179,23 @@ def _staggered_tokens(prompts, params, gaps: list[int], **options) -> list[list[
     return [c.token_ids for c in _staggered_outputs(prompts, params, gaps, **options)]
 
 
+def _record_splits(monkeypatch) -> list[bool]:
+    """For every step the runner considers splitting: whether it replayed the decode graph and
+    a prefill graph."""
+    from kiln.engine.model_runner import ModelRunner
+
+    splits = []
+    real_split = ModelRunner._graph_split
+
+    def recording_split(self, scheduled):
+        split = real_split(self, scheduled)
+        splits.append(split is not None and len(split[0]) > 0)
+        return split
+
+    monkeypatch.setattr(ModelRunner, "_graph_split", recording_split)
+    return splits
+
+
 def _record_prefill_replays(monkeypatch) -> list[list[int]]:
     """The start positions of the chunks of every prefill-graph replay, as they happen."""
     from kiln.engine.cuda_graphs import StepGraphs
@@ -199,19 +216,9 @@ def test_prompts_admitted_beside_decodes_replay_two_graphs(monkeypatch):
     decode graph and one prefill graph for its prompts instead of one eager mixed step, and
     every token is the eager engine's (float32: no bf16 near-tie flips), with and without async
     scheduling."""
-    from kiln.engine.model_runner import ModelRunner
-
     prompts, _ = _heldout_workload(12, seed=5)
     params = [kiln.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 12
-    splits = []
-    real_split = ModelRunner._graph_split
-
-    def counting_split(self, scheduled):
-        split = real_split(self, scheduled)
-        splits.append(split is not None and len(split[0]) > 0)
-        return split
-
-    monkeypatch.setattr(ModelRunner, "_graph_split", counting_split)
+    splits = _record_splits(monkeypatch)
     replays = _record_prefill_replays(monkeypatch)
     # admitted together: {0}, {1, 2}, {3, 4, 5}, {6}, {7, 8, 9}, {10}, {11}
     gaps = [2, 0, 2, 0, 0, 2, 2, 0, 0, 2, 2, 2]
@@ -228,22 +235,12 @@ def test_prompts_admitted_beside_decodes_replay_two_graphs(monkeypatch):
 def test_graph_steps_sample_logprobs_and_penalties_like_eager(monkeypatch):
     """Admissions beside decodes where requests ask for logprobs or penalties: the two replays'
     logits are sampled together, and every token and logprob is the eager engine's (float32)."""
-    from kiln.engine.model_runner import ModelRunner
-
     prompts, _ = _heldout_workload(12, seed=9)
     variants = [{"logprobs": 2}, {"presence_penalty": 0.5, "frequency_penalty": 0.3},
                 {"repetition_penalty": 1.2, "logprobs": 1}, {}]
     params = [kiln.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
                                   **variants[i % 4]) for i in range(12)]
-    splits = []
-    real_split = ModelRunner._graph_split
-
-    def counting_split(self, scheduled):
-        split = real_split(self, scheduled)
-        splits.append(split is not None and len(split[0]) > 0)
-        return split
-
-    monkeypatch.setattr(ModelRunner, "_graph_split", counting_split)
+    splits = _record_splits(monkeypatch)
     gaps = [2, 0, 2, 0, 0, 2, 2, 0, 0, 2, 2, 2]
     eager = _staggered_outputs(prompts, params, gaps, enforce_eager=True)
     splits.clear()
