@@ -1,13 +1,18 @@
-"""Which steps the model runner replays as a decode graph plus prefill graphs (CUDA graphs run
-on the GPU only: the decision is checked here against stand-in graphs, the replay in
+"""Which steps the model runner replays as a decode graph plus a prefill graph, and what it makes
+of their outputs. CUDA graphs run on the GPU only: here stand-in graphs answer the runner's
+questions, and compute what a replay would, eagerly, so that the split, the merge of the two
+replays and their sampling are checked against the one eager step (the replays themselves in
 tests/gpu/test_engine_gpu.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 from engine_helpers import make_engine
 
 import kiln
+from kiln.layers.attention import AttentionMetadata
 
 
 class StandInGraphs:
@@ -21,6 +26,43 @@ class StandInGraphs:
 
     def fits_prefill(self, num_new_tokens: list[int]) -> bool:
         return len(num_new_tokens) <= self.max_prompts and sum(num_new_tokens) <= self.max_tokens
+
+
+class EagerGraphs(StandInGraphs):
+    """Stand-in graphs that compute what a replay would, eagerly (the torch backend over the
+    runner's pages): the runner's split, its merge of the two replays and their sampling
+    together are then checked on CPU against the one eager step."""
+
+    def __init__(self, runner, **limits) -> None:
+        super().__init__(**limits)
+        self.runner = runner
+
+    def run(self, tokens, positions: list[int], tables: list[list[int]]):
+        ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens)
+        return self._forward(ids, [(p, 1, t) for p, t in zip(positions, tables, strict=True)])
+
+    def run_prefill(self, chunks: list[tuple[list[int], int, list[int]]]):
+        ids = torch.tensor([t for tokens, _, _ in chunks for t in tokens])
+        return self._forward(ids, [(start, len(tokens), table) for tokens, start, table in chunks])
+
+    def _forward(self, ids: torch.Tensor, seqs: list[tuple[int, int, list[int]]]):
+        """seqs: (start, new tokens, block table) each -> (logits, argmax) at their last rows."""
+        page = self.runner.block_size
+        positions = [p for start, n, _ in seqs for p in range(start, start + n)]
+        slots = [table[p // page] * page + p % page
+                 for start, n, table in seqs for p in range(start, start + n)]
+        cu = np.cumsum([0] + [n for _, n, _ in seqs])
+        width = max(len(table) for _, _, table in seqs)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            seq_lens=torch.tensor([s + n for s, n, _ in seqs], dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for _, _, t in seqs],
+                                      dtype=torch.int32),
+            max_seqlen_q=max(n for _, n, _ in seqs), max_seqlen_k=max(s + n for s, n, _ in seqs),
+            kv_caches=self.runner.kv_caches)
+        hidden = self.runner.model(ids, torch.tensor(positions), meta)
+        logits = self.runner.model.compute_logits(hidden[torch.tensor(cu[1:] - 1)])
+        return logits, logits.argmax(-1)
 
 
 def _greedy(**extra) -> kiln.SamplingParams:
@@ -120,3 +162,58 @@ def test_no_graphs_no_split(tiny_llama):
     runner, scheduled = _admission(tiny_llama, [[7] * 30], [_greedy()])
     runner.graphs = None
     assert runner._graph_split(scheduled) is None
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_split_steps_give_the_eager_steps_outputs(tiny_llama, async_scheduling, mixed):
+    """Requests admitted one to three at a time while others decode, asking for greedy tokens,
+    logprobs, penalties or two seeded samples, their prompts cut by the token budget: with
+    (eager stand-in) graphs the steps split, and every token and logprob is the one eager
+    step's. Plain greedy requests (not ``mixed``) let async scheduling chain the steps."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, 200, size=int(n)).tolist() for n in rng.integers(2, 40, size=9)]
+    variants = [{}, {"logprobs": 2}, {"presence_penalty": 0.5, "repetition_penalty": 1.2},
+                {"n": 2, "temperature": 0.8, "seed": 7}]
+    params = [kiln.SamplingParams(**{"max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+                                     **(variants[i % 4] if mixed else {})}) for i in range(9)]
+    gaps = [2, 0, 2, 0, 0, 2, 2, 2, 2]  # admitted together: {0}, {1, 2}, {3, 4, 5}, ...
+
+    def outputs(with_graphs: bool) -> tuple[dict, int]:
+        # 24 tokens a step: prompts of up to 40 are cut, and with async scheduling their rest
+        # comes in a step chained to the one in flight (decodes' ids on the device)
+        engine = make_engine(tiny_llama, async_scheduling=async_scheduling,
+                             max_num_batched_tokens=24)
+        splits = 0
+        if with_graphs:
+            runner = engine.runner
+            runner.graphs = EagerGraphs(runner, max_batch=16, max_tokens=128)
+            real_split = runner._graph_split
+
+            def counting_split(scheduled):
+                nonlocal splits
+                split = real_split(scheduled)
+                splits += split is not None and len(split[0]) > 0
+                return split
+
+            runner._graph_split = counting_split
+        done = {}
+        for i, (prompt, sp, gap) in enumerate(zip(prompts, params, gaps, strict=True)):
+            engine.add_request(str(i), prompt, sp)
+            for _ in range(gap):
+                done |= {o.request_id: o for o in engine.step() if o.finished}
+        done |= {o.request_id: o for o in engine.run_to_completion()}
+        return ({rid: [(c.token_ids, c.logprobs) for c in o.outputs] for rid, o in done.items()},
+                splits)
+
+    eager, _ = outputs(with_graphs=False)
+    split, num_splits = outputs(with_graphs=True)
+    assert num_splits >= 3
+    assert {rid: [ids for ids, _ in seqs] for rid, seqs in split.items()} == \
+        {rid: [ids for ids, _ in seqs] for rid, seqs in eager.items()}
+    for rid, seqs in eager.items():
+        for (_, want), (_, got) in zip(seqs, split[rid], strict=True):
+            assert (got is None) == (want is None)
+            for got_step, want_step in zip(got or [], want or [], strict=True):
+                assert got_step.keys() == want_step.keys()
+                assert all(abs(got_step[t] - want_step[t]) < 1e-4 for t in want_step)
