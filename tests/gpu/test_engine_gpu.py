@@ -175,8 +175,8 @@ def test_engine_triton_backend_agrees_token_by_token_with_context_forced():
     outputs = _engine_tokens("kiln-tiny", "torch", prompts, params, enforce_eager=True)
     torch_choices = _teacher_forced_choices("torch", prompts, outputs, enforce_eager=True)
     triton_choices = _teacher_forced_choices("triton", prompts, outputs)
-    # forced on its own outputs, through the prefill path, the torch backend picks them again
-    # but where its GEMMs' row counts round a near-tie the other way
+    # forced on its own outputs the torch backend picks them again, but where its prefill path
+    # (other GEMM shapes and attention kernels than a decode step's) rounds a near-tie otherwise
     report("engine_torch_teacher_forced_self_agreement", _match_rate(outputs, torch_choices))
     rate = _match_rate(torch_choices, triton_choices)
     report("engine_triton_vs_torch_bf16_teacher_forced_agreement", rate)
