@@ -84,6 +84,7 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
 
     --seed seeds both the engine and this request's sampling.
     """
+    from kiln.engine.gc_heap import frozen_heap
     from kiln.engine.llm_engine import LLMEngine
     from kiln.sampling.params import SamplingParams
 
@@ -99,12 +100,13 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
         raise click.ClickException(str(exc)) from None
     click.echo(prompt, nl=False)
     printed = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            click.echo(text[printed:], nl=False)
-            printed = len(text)
-            sys.stdout.flush()
+    with frozen_heap():
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                click.echo(text[printed:], nl=False)
+                printed = len(text)
+                sys.stdout.flush()
     click.echo()
 
 

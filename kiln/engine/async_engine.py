@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.config import EngineConfig
+from kiln.engine.gc_heap import frozen_heap
 from kiln.engine.inputs import PromptLike
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.request import Request
@@ -142,6 +143,10 @@ class AsyncEngine:
                 stream.put(exc)
 
     def _loop(self) -> None:
+        with frozen_heap():  # the server's start-up heap, for the thread's lifetime
+            self._steps()
+
+    def _steps(self) -> None:
         while not self._stopping:
             self._run_commands()
             if not self.engine.has_unfinished_requests():

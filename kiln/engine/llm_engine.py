@@ -14,6 +14,7 @@ from typing import Any
 from kiln.cache.kv_cache import KVCache
 from kiln.cache.kv_cache_manager import KVCacheManager
 from kiln.config import EngineConfig
+from kiln.engine.gc_heap import frozen_heap
 from kiln.engine.inputs import PromptLike, check_prompt_length, tokenize_prompt
 from kiln.engine.model_runner import ModelRunner, StepResult
 from kiln.engine.overlap import InFlightStep, chain_step, chainable
@@ -251,6 +252,7 @@ class LLMEngine:
     def run_to_completion(self) -> list[RequestOutput]:
         """Step until idle; the final output of every request, in finishing order."""
         finished: list[RequestOutput] = []
-        while self.has_unfinished_requests():
-            finished += [o for o in self.step() if o.finished]
+        with frozen_heap():
+            while self.has_unfinished_requests():
+                finished += [o for o in self.step() if o.finished]
         return finished

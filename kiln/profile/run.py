@@ -19,6 +19,7 @@ from kiln.bench.env import ceilings
 from kiln.bench.result import make_result
 from kiln.bench.stats import summarize
 from kiln.bench.workload import BenchRequest, WorkloadSpec, build_requests
+from kiln.engine.gc_heap import frozen_heap
 from kiln.models.loader import resolve_device
 from kiln.profile.annotate import PHASES, PREFIX, annotate_engine, step_range
 from kiln.profile.kernels import collect_rows, table
@@ -70,26 +71,27 @@ def run_profile(cfg: ProfileConfig, output_dir: Path) -> dict[str, Any]:
     offline.run_requests(llm, [BenchRequest(r.prompt, 4) for r in requests[:cfg.batch_size]])
     for i, r in enumerate(requests[cfg.batch_size:]):
         engine.add_request(f"profile-{i}", r.prompt, offline.greedy_params(r.output_len))
-    for _ in range(cfg.skip_steps):
-        engine.step()
-    nvtx = device.type == "cuda"
-    step_ms: list[float] = []
-    events: list[Any] = []
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with annotate_engine(engine, nvtx):
-        if cfg.torch_profiler:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            with torch.profiler.profile(activities=activities, record_shapes=True,
-                                        with_flops=True) as prof:
+    with frozen_heap():  # no full collection of the start-up heap inside the window
+        for _ in range(cfg.skip_steps):
+            engine.step()
+        nvtx = device.type == "cuda"
+        step_ms: list[float] = []
+        events: list[Any] = []
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with annotate_engine(engine, nvtx):
+            if cfg.torch_profiler:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                with torch.profiler.profile(activities=activities, record_shapes=True,
+                                            with_flops=True) as prof:
+                    step_ms = [_step(engine, i, nvtx, device)[0] for i in range(cfg.num_steps)]
+                prof.export_chrome_trace(str(output_dir / "trace.json"))
+                events = list(prof.events())
+            else:
                 step_ms = [_step(engine, i, nvtx, device)[0] for i in range(cfg.num_steps)]
-            prof.export_chrome_trace(str(output_dir / "trace.json"))
-            events = list(prof.events())
-        else:
-            step_ms = [_step(engine, i, nvtx, device)[0] for i in range(cfg.num_steps)]
-    while engine.has_unfinished_requests():
-        engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
     elsize = torch.empty((), dtype=engine.loaded.dtype).element_size()
     rows = table(collect_rows(events, device.type == "cuda", elsize),
                  roofs["compute_tflops"], roofs["bandwidth_gbps"]) if events else []
