@@ -84,7 +84,6 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
 
     --seed seeds both the engine and this request's sampling.
     """
-    from kiln.engine.gc_heap import frozen_heap
     from kiln.engine.llm_engine import LLMEngine
     from kiln.sampling.params import SamplingParams
 
@@ -100,13 +99,11 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
         raise click.ClickException(str(exc)) from None
     click.echo(prompt, nl=False)
     printed = 0
-    with frozen_heap():
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                text = out.outputs[0].text
-                click.echo(text[printed:], nl=False)
-                printed = len(text)
-                sys.stdout.flush()
+    for out in engine.stream_outputs():
+        text = out.outputs[0].text
+        click.echo(text[printed:], nl=False)
+        printed = len(text)
+        sys.stdout.flush()
     click.echo()
 
 

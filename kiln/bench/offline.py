@@ -18,7 +18,6 @@ from torch import nn
 
 from kiln.bench.stats import request_latencies
 from kiln.bench.workload import BenchRequest
-from kiln.engine.gc_heap import frozen_heap
 from kiln.layers.embedding import VocabParallelEmbedding
 from kiln.layers.rotary import RotaryEmbedding
 from kiln.llm import LLM
@@ -71,15 +70,13 @@ def run_requests(llm: LLM, requests: list[BenchRequest], progress: Progress | No
     task = progress.add_task(description, total=total) if progress is not None else None
     finished: dict[str, RequestOutput] = {}
     produced: dict[str, int] = {}
-    with frozen_heap():
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if task is not None:
-                    n = len(out.outputs[0].token_ids)
-                    progress.advance(task, n - produced.get(out.request_id, 0))
-                    produced[out.request_id] = n
-                if out.finished:
-                    finished[out.request_id] = out
+    for out in engine.stream_outputs():
+        if task is not None:
+            n = len(out.outputs[0].token_ids)
+            progress.advance(task, n - produced.get(out.request_id, 0))
+            produced[out.request_id] = n
+        if out.finished:
+            finished[out.request_id] = out
     if task is not None:
         progress.remove_task(task)
     return [finished[rid] for rid in request_ids]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kiln.cache.kv_cache import KVCache
@@ -249,10 +250,13 @@ class LLMEngine:
         s.prefix_cache_queries = kv.stats.prefix_cache_queries
         s.prefix_cache_hits = kv.stats.prefix_cache_hits
 
-    def run_to_completion(self) -> list[RequestOutput]:
-        """Step until idle; the final output of every request, in finishing order."""
-        finished: list[RequestOutput] = []
+    def stream_outputs(self) -> Iterator[RequestOutput]:
+        """Step until idle, yielding every step's outputs as it returns them, with the heap of
+        the loop's start out of garbage collection (kiln/engine/gc_heap.py)."""
         with frozen_heap():
             while self.has_unfinished_requests():
-                finished += [o for o in self.step() if o.finished]
-        return finished
+                yield from self.step()
+
+    def run_to_completion(self) -> list[RequestOutput]:
+        """Step until idle; the final output of every request, in finishing order."""
+        return [o for o in self.stream_outputs() if o.finished]

@@ -97,6 +97,14 @@ def test_the_engine_steps_with_the_heap_frozen(tiny_llama, monkeypatch):
     engine.add_request("a", [5, 6, 7], kiln.SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(engine.run_to_completion()) == 1
     assert frozen_at_step and all(frozen_at_step)
+    # a consumer that leaves the stream early gives the heap back when the stream is closed
+    engine.add_request("b", [5, 6, 7], kiln.SamplingParams(max_tokens=4, ignore_eos=True))
+    stream = engine.stream_outputs()
+    next(stream)
+    assert gc.get_freeze_count() > 0
+    stream.close()
+    assert gc.get_freeze_count() == 0
+    engine.abort_request("b")
 
 
 def test_the_async_engine_thread_holds_it_until_shutdown(tiny_llama):

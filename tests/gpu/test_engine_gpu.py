@@ -75,15 +75,22 @@ def _heldout_workload(num: int, seed: int):
     return prompts, params
 
 
-def _engine_run(path, backend: str, prompts, params, dtype: str = "bfloat16", **options) -> list:
+def _engine_outputs(path, backend: str, prompts, params, dtype: str = "bfloat16",
+                    **options) -> list:
+    """Every request's RequestOutput, in request order, from a fresh CUDA engine."""
     engine = LLMEngine.from_kwargs(str(path), dtype=dtype, device="cuda",
                                    attention_backend=backend, num_kv_blocks=4096,
                                    max_num_batched_tokens=96, **options)
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), p, sp)
-    done = {o.request_id: o.outputs[0] for o in engine.run_to_completion()}
+    done = {o.request_id: o for o in engine.run_to_completion()}
     assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def _engine_run(path, backend: str, prompts, params, dtype: str = "bfloat16", **options) -> list:
+    return [o.outputs[0] for o in _engine_outputs(path, backend, prompts, params, dtype,
+                                                  **options)]
 
 
 def _engine_tokens(path, backend: str, prompts, params, **options) -> list[list[int]]:
@@ -151,19 +158,12 @@ def _teacher_forced_choices(backend: str, prompts, outputs, **options) -> list[l
     """The backend's greedy choice at every generated position with the context forced: each
     request is its prompt followed by ``outputs`` (another run's tokens), and the choice for
     output i is the top prompt logprob at its position, given that run's first i tokens."""
-    engine = LLMEngine.from_kwargs("kiln-tiny", dtype="bfloat16", device="cuda",
-                                   attention_backend=backend, num_kv_blocks=4096,
-                                   max_num_batched_tokens=96, **options)
     params = kiln.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                                  prompt_logprobs=1)
-    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-        engine.add_request(str(i), prompt + out, params)
-    done = {o.request_id: o.prompt_logprobs for o in engine.run_to_completion()}
-    choices = []
-    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-        per_position = done[str(i)][len(prompt):len(prompt) + len(out)]
-        choices.append([max(lps, key=lps.get) for lps in per_position])
-    return choices
+    forced = [prompt + out for prompt, out in zip(prompts, outputs, strict=True)]
+    done = _engine_outputs("kiln-tiny", backend, forced, [params] * len(forced), **options)
+    return [[max(lps, key=lps.get) for lps in o.prompt_logprobs[len(p):len(p) + len(out)]]
+            for o, p, out in zip(done, prompts, outputs, strict=True)]
 
 
 def test_engine_triton_backend_agrees_token_by_token_with_context_forced():
