@@ -160,7 +160,7 @@ class LLMEngine:
         chained = chain_step(prev, self.scheduler, self.kv) if prev is not None else None
         if chained is not None:
             out, token_ids = chained
-            self.num_scheduled_last_step = len(out.scheduled)
+            self._note_scheduled(out)
             self._in_flight = InFlightStep.launch(out, self.runner.execute(out, token_ids))
             outputs = self._update(*prev.wait())
         else:
@@ -171,19 +171,22 @@ class LLMEngine:
 
     def _schedule_and_run(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        self.num_scheduled_last_step = len(out.scheduled)
+        self._note_scheduled(out)
         if not out.scheduled:
             self.runner.apply_cache_ops(out)
             return []
-        now = time.monotonic()
-        for item in out.scheduled:
-            if item.request.metrics.first_scheduled_time is None:
-                item.request.metrics.first_scheduled_time = now
         result = self.runner.execute(out)
         if self.config.scheduler.async_scheduling and chainable(out, result):
             self._in_flight = InFlightStep.launch(out, result)
             return []
         return self._update(out, result)
+
+    def _note_scheduled(self, out: SchedulerOutput) -> None:
+        self.num_scheduled_last_step = len(out.scheduled)
+        now = time.monotonic()
+        for item in out.scheduled:
+            if item.request.metrics.first_scheduled_time is None:
+                item.request.metrics.first_scheduled_time = now
 
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         block_size = self.kv_cache.block_size

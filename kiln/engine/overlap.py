@@ -17,9 +17,16 @@ What only step N's tokens on the host can tell is handled one step late:
   that block writes it afterwards.
 - a sequence whose length limit step N reaches is known on the host and left out of step N+1.
 
-Everything else takes the synchronous path: waiting requests that could be admitted, swapped
-requests, penalties and min_tokens (the sampler reads the outputs on the host), logprobs and
-prompt logprobs, the fork of n > 1 samples, and KV blocks running out (preemption).
+Waiting requests are admitted into step N+1 with the budget the continuations leave, as the
+scheduler would admit them (a new prompt depends on no token of step N), so a stream of arrivals
+(the first 8192-token steps of a 512-request batch, a busy server) keeps the host's scheduling,
+input building and updates under the GPU's work instead of between steps. Blocks freed by
+sequences that stop at step N are known only when it is applied: an admission they would have
+made room for waits a step.
+
+Everything else takes the synchronous path: a waiting request the chain cannot start (below),
+swapped requests, penalties and min_tokens (the sampler reads the outputs on the host), logprobs
+and prompt logprobs, the fork of n > 1 samples, and KV blocks running out (preemption).
 """
 
 from __future__ import annotations
@@ -81,6 +88,13 @@ def _chains(seq: Sequence, request: Request) -> bool:
             and len(seq.output_token_ids) >= params.min_tokens)
 
 
+def _admissible(request: Request) -> bool:
+    """Whether a waiting request may start in a chained step: every step of it chains and none
+    returns logprobs (a chained step hands the host its token ids alone)."""
+    return request.params.logprobs is None and all(
+        _chains(seq, request) for seq in request.seqs)
+
+
 def chainable(out: SchedulerOutput, result: StepResult) -> bool:
     """Whether a next step could start from this one's tokens before the host sees them."""
     if result.logprobs is not None or result.prompt_logprobs:
@@ -96,9 +110,9 @@ def chain_step(prev: InFlightStep, scheduler: Scheduler,
     None when the scheduler has to decide the next step (see the module docstring).
     """
     config = scheduler.config
-    if scheduler.swapped or (scheduler.waiting
+    if scheduler.swapped or (scheduler.waiting and not _admissible(scheduler.waiting[0])
                              and scheduler.num_running_seqs() < config.max_num_seqs):
-        return None
+        return None  # the scheduler starts it: a chain would leave it waiting
     sampled = {id(seq) for seq in prev.result.seqs}
     rows = [(row, seq, request) for row, (seq, request)
             in enumerate(zip(prev.result.seqs, prev.result.requests, strict=True))
@@ -131,7 +145,12 @@ def chain_step(prev: InFlightStep, scheduler: Scheduler,
             return None
         chunks.append(ScheduledSeq(prev_item.request, seq, take, pending=pending[id(seq)]))
         budget -= take
-    if (not decodes and not chunks) or budget < 0:
+    if budget < 0:
+        return None
+    admitted = SchedulerOutput()
+    scheduler.admit_waiting(admitted, budget, _admissible)
+    chunks += admitted.scheduled
+    if not decodes and not chunks:
         return None
     ids = prev.result.token_ids
     if index != list(range(ids.shape[0])):

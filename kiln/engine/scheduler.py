@@ -11,6 +11,7 @@ prompt and outputs are prefilled again later) or by swap (its blocks move to CPU
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kiln.cache.kv_cache_manager import KVCacheManager
@@ -111,7 +112,7 @@ class Scheduler:
         self.running = kept
         if out.num_preempted == 0:
             self._swap_in(out)
-            budget = self._admit_waiting(out, budget)
+            budget = self.admit_waiting(out, budget)
         out.copies = self.kv.take_pending_copies()
         return out
 
@@ -163,7 +164,11 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def admit_waiting(self, out: SchedulerOutput, budget: int,
+                      admissible: Callable[[Request], bool] | None = None) -> int:
+        """Start waiting requests in arrival order with what is left of the step's budget,
+        stopping at the first that does not fit (or that ``admissible`` refuses); returns the
+        budget left."""
         # requests come back from swap before new ones start, to keep the order fair
         if self.swapped:
             return budget
@@ -171,7 +176,8 @@ class Scheduler:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seqs = request.active_seqs()
-            if num_seqs + len(seqs) > self.config.max_num_seqs:
+            if (num_seqs + len(seqs) > self.config.max_num_seqs
+                    or (admissible is not None and not admissible(request))):
                 break
             for seq in seqs:
                 if seq.num_computed_tokens == 0 and request.prompt_logprobs is None:
