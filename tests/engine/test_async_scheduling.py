@@ -229,3 +229,23 @@ def test_a_request_the_chain_cannot_start_is_not_starved(tiny_llama, chained_adm
     finished = {o.request_id: o for o in engine.run_to_completion()}
     assert len(finished["lp"].outputs[0].logprobs) == 3
     assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_abort_of_a_request_admitted_into_the_step_in_flight(tiny_llama, chained_admissions):
+    """A request aborted while its first chunk is in flight loses nothing of the others, and
+    its blocks come back."""
+    engine = make_engine(tiny_llama, block_size=4, max_num_batched_tokens=32)
+    greedy = kiln.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = _outputs(make_engine(tiny_llama, block_size=4), [list(range(3, 20))], [greedy])
+    engine.add_request("x", list(range(3, 20)), greedy)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("y", list(range(40, 90)), greedy)  # 50 tokens: cut by the budget
+    engine.step()
+    assert chained_admissions[-1] == ["y"] and engine._in_flight is not None
+    assert engine.abort_request("y") is not None
+    finished = {o.request_id: o for o in engine.run_to_completion()}
+    assert set(finished) == {"x"}
+    assert finished["x"].outputs[0].token_ids == alone["0"][0][0]
+    assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv.check_integrity()
