@@ -24,9 +24,10 @@ input building and updates under the GPU's work instead of between steps. Blocks
 sequences that stop at step N are known only when it is applied: an admission they would have
 made room for waits a step.
 
-Everything else takes the synchronous path: a waiting request the chain cannot start (below),
-swapped requests, penalties and min_tokens (the sampler reads the outputs on the host), logprobs
-and prompt logprobs, the fork of n > 1 samples, and KV blocks running out (preemption).
+Everything else takes the synchronous path: a waiting request the chain cannot start (see
+``_admissible``), swapped requests, penalties and min_tokens (the sampler reads the outputs on
+the host), logprobs and prompt logprobs, the fork of n > 1 samples, and KV blocks running out
+(preemption).
 """
 
 from __future__ import annotations
