@@ -6,27 +6,40 @@ later, and a row's float32 math varies in the last bits with the rows batched be
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 from engine_helpers import make_engine
 
 import kiln
 from kiln.engine import overlap
+from kiln.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ChainedStep:
+    out: SchedulerOutput
+    started: list[str]  # ids of the requests it schedules for the first time
 
 
 @pytest.fixture
-def chain_count(monkeypatch):
-    """How many steps were launched from the step in flight (proves the path ran)."""
-    calls = {"chained": 0}
+def chained(monkeypatch) -> list[ChainedStep]:
+    """Every step launched from the step in flight (proves the path ran), checked for one
+    input id per token."""
+    steps = []
     real = overlap.chain_step
 
     def spy(*args, **kwargs):
         result = real(*args, **kwargs)
-        calls["chained"] += result is not None
+        if result is not None:
+            out, ids = result
+            assert ids.shape[0] == out.num_tokens
+            steps.append(ChainedStep(out, [item.request.request_id for item in out.scheduled
+                                           if item.request.metrics.first_scheduled_time is None]))
         return result
 
     monkeypatch.setattr("kiln.engine.llm_engine.chain_step", spy)
-    return calls
+    return steps
 
 
 def _outputs(engine, prompts, params):
@@ -83,16 +96,16 @@ def _mixed_workload(seed: int, num: int = 24):
     {"num_kv_blocks": 40, "block_size": 4, "max_model_len": 160},  # preemption by recompute
     {"enable_prefix_caching": True, "block_size": 4},
 ])
-def test_async_scheduling_changes_no_output(tiny_llama, chain_count, options):
+def test_async_scheduling_changes_no_output(tiny_llama, chained, options):
     prompts, params = _mixed_workload(seed=3)
     sync = _outputs(make_engine(tiny_llama, async_scheduling=False, **options), prompts, params)
-    assert chain_count["chained"] == 0
+    assert chained == []
     overlapped = _outputs(make_engine(tiny_llama, **options), prompts, params)
     _assert_same(overlapped, sync)
-    assert chain_count["chained"] > 0
+    assert chained
 
 
-def test_stop_found_late_drops_the_extra_token(tiny_llama, chain_count):
+def test_stop_found_late_drops_the_extra_token(tiny_llama, chained):
     """A sequence that stops on a token has already computed one more step; none of it shows."""
     engine = make_engine(tiny_llama, block_size=4)
     free = engine.kv.num_free_blocks
@@ -105,12 +118,12 @@ def test_stop_found_late_drops_the_extra_token(tiny_llama, chain_count):
     out = _outputs(engine, [prompt], [stopping])["0"][0]
     assert out[0] == tokens[:tokens.index(stop_at) + 1]
     assert out[1:3] == ("stop", stop_at)
-    assert chain_count["chained"] > 0
+    assert chained
     assert engine.kv.num_free_blocks == free
     assert not engine.has_unfinished_requests()
 
 
-def test_abort_while_a_step_is_in_flight(tiny_llama, chain_count):
+def test_abort_while_a_step_is_in_flight(tiny_llama, chained):
     engine = make_engine(tiny_llama, block_size=4)
     greedy = kiln.SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     engine.add_request("x", list(range(3, 40)), greedy)
@@ -124,7 +137,7 @@ def test_abort_while_a_step_is_in_flight(tiny_llama, chain_count):
     assert set(finished) == {"y"}  # x's rows in flight were dropped, not reported
     assert len(aborted.outputs[0].token_ids) == seen
     assert len(finished["y"].outputs[0].token_ids) == 30
-    assert chain_count["chained"] > 0
+    assert chained
     assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
     engine.kv.check_integrity()
 
@@ -134,21 +147,9 @@ def test_abort_while_a_step_is_in_flight(tiny_llama, chain_count):
     {"num_kv_blocks": 70, "max_model_len": 260},  # too few blocks: chains refused, preemption
     {"enable_prefix_caching": True},
 ])
-def test_prompt_chunks_are_chained_too(tiny_llama, monkeypatch, options):
+def test_prompt_chunks_are_chained_too(tiny_llama, chained, options):
     """A prompt the token budget cuts takes its next chunk in a step launched while the step
     before it is in flight (next to the decodes of the others), with the same outputs."""
-    chunk_steps = []
-    real = overlap.chain_step
-
-    def spy(*args, **kwargs):
-        result = real(*args, **kwargs)
-        if result is not None:
-            out, ids = result
-            chunk_steps.append(sum(item.num_new_tokens > 1 for item in out.scheduled))
-            assert ids.shape[0] == out.num_tokens
-        return result
-
-    monkeypatch.setattr("kiln.engine.llm_engine.chain_step", spy)
     rng = random.Random(5)
     # under a 48-token budget: short prompts that decode while the last, long one is prefilled
     # in chunks
@@ -158,30 +159,12 @@ def test_prompt_chunks_are_chained_too(tiny_llama, monkeypatch, options):
                                   ignore_eos=True) for _ in prompts]
     options = {"block_size": 4, "max_num_batched_tokens": 48} | options
     sync = _outputs(make_engine(tiny_llama, async_scheduling=False, **options), prompts, params)
-    assert chunk_steps == []
+    assert chained == []
     engine = make_engine(tiny_llama, **options)
     _assert_same(_outputs(engine, prompts, params), sync)
+    chunk_steps = [sum(item.num_new_tokens > 1 for item in step.out.scheduled) for step in chained]
     assert sum(n > 0 for n in chunk_steps) >= 2, chunk_steps
     assert engine.scheduler.num_preemptions > 0 or "num_kv_blocks" not in options
-
-
-@pytest.fixture
-def chained_admissions(monkeypatch):
-    """The request ids each chained step started (requests never scheduled before it)."""
-    steps = []
-    real = overlap.chain_step
-
-    def spy(*args, **kwargs):
-        result = real(*args, **kwargs)
-        if result is not None:
-            out, ids = result
-            assert ids.shape[0] == out.num_tokens
-            steps.append([item.request.request_id for item in out.scheduled
-                          if item.request.metrics.first_scheduled_time is None])
-        return result
-
-    monkeypatch.setattr("kiln.engine.llm_engine.chain_step", spy)
-    return steps
 
 
 @pytest.mark.parametrize("options", [
@@ -190,8 +173,7 @@ def chained_admissions(monkeypatch):
     {"num_kv_blocks": 40, "block_size": 4, "max_model_len": 160},  # admissions wait for blocks
     {"enable_prefix_caching": True, "block_size": 4, "max_num_batched_tokens": 64},
 ])
-def test_waiting_requests_are_admitted_into_chained_steps(tiny_llama, chained_admissions,
-                                                          options):
+def test_waiting_requests_are_admitted_into_chained_steps(tiny_llama, chained, options):
     """Requests that could not start at once start in steps launched while the step before
     is in flight, with the outputs of the synchronous engine."""
     rng = random.Random(11)
@@ -201,14 +183,14 @@ def test_waiting_requests_are_admitted_into_chained_steps(tiny_llama, chained_ad
     params = [kiln.SamplingParams(max_tokens=rng.randint(3, 10), temperature=0.0,
                                   ignore_eos=True) for _ in prompts]
     sync = _outputs(make_engine(tiny_llama, async_scheduling=False, **options), prompts, params)
-    assert chained_admissions == []
+    assert chained == []
     _assert_same(_outputs(make_engine(tiny_llama, **options), prompts, params), sync)
-    started = [rid for step in chained_admissions for rid in step]
-    assert len(started) >= 3, chained_admissions
+    started = [rid for step in chained for rid in step.started]
+    assert len(started) >= 3, started
     assert len(set(started)) == len(started)
 
 
-def test_a_request_the_chain_cannot_start_is_not_starved(tiny_llama, chained_admissions):
+def test_a_request_the_chain_cannot_start_is_not_starved(tiny_llama, chained):
     """A waiting request that needs the synchronous path (logprobs) starts in the next step
     even though the running ones would chain for ever."""
     engine = make_engine(tiny_llama, block_size=4)
@@ -220,18 +202,18 @@ def test_a_request_the_chain_cannot_start_is_not_starved(tiny_llama, chained_adm
     assert engine._in_flight is not None
     engine.add_request("plain", list(range(7, 19)), greedy)
     engine.step()
-    assert chained_admissions[-1] == ["plain"]  # an admissible arrival rides the chain
+    assert chained[-1].started == ["plain"]  # an admissible arrival rides the chain
     engine.add_request("lp", list(range(9, 21)),
                        kiln.SamplingParams(max_tokens=3, temperature=0.0, logprobs=2))
     engine.step()
     assert engine.requests["lp"].metrics.first_scheduled_time is not None
-    assert all("lp" not in step for step in chained_admissions)
+    assert all("lp" not in step.started for step in chained)
     finished = {o.request_id: o for o in engine.run_to_completion()}
     assert len(finished["lp"].outputs[0].logprobs) == 3
     assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
 
 
-def test_abort_of_a_request_admitted_into_the_step_in_flight(tiny_llama, chained_admissions):
+def test_abort_of_a_request_admitted_into_the_step_in_flight(tiny_llama, chained):
     """A request aborted while its first chunk is in flight loses nothing of the others, and
     its blocks come back."""
     engine = make_engine(tiny_llama, block_size=4, max_num_batched_tokens=32)
@@ -242,7 +224,7 @@ def test_abort_of_a_request_admitted_into_the_step_in_flight(tiny_llama, chained
         engine.step()
     engine.add_request("y", list(range(40, 90)), greedy)  # 50 tokens: cut by the budget
     engine.step()
-    assert chained_admissions[-1] == ["y"] and engine._in_flight is not None
+    assert chained[-1].started == ["y"] and engine._in_flight is not None
     assert engine.abort_request("y") is not None
     finished = {o.request_id: o for o in engine.run_to_completion()}
     assert set(finished) == {"x"}
