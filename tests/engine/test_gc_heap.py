@@ -1,18 +1,22 @@
-"""frozen_heap: step loops run with the heap of their start out of garbage collection, and give
-it back when the last of them ends."""
+"""frozen_heap: step loops run with the heap of their start out of garbage collection and no
+automatic full collection, and give both back when the last of them ends; a server's loop runs
+its full collections itself (FullCollections)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
 import weakref
 
 import pytest
+from engine_helpers import make_engine
 
 import kiln
+from kiln.engine import async_engine
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.gc_heap import frozen_heap
+from kiln.engine.gc_heap import NO_FULL_COLLECTIONS, FullCollections, frozen_heap
 from kiln.engine.llm_engine import LLMEngine
 
 
@@ -30,9 +34,71 @@ def cycle() -> weakref.ref:
 @pytest.fixture(autouse=True)
 def nothing_frozen():
     gc.collect()
+    thresholds = gc.get_threshold()
     assert gc.get_freeze_count() == 0, "an earlier test left the heap frozen"
     yield
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == thresholds
+
+
+@pytest.fixture
+def collections_started():
+    """The generation of every collection that starts while the test runs."""
+    started = []
+
+    def record(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.callbacks.append(record)
+    yield started
+    gc.callbacks.remove(record)
+
+
+def _allocate_survivors() -> list:
+    """Enough objects that live through young collections to trigger full ones (by default)."""
+    return [[] for _ in range(400_000)]
+
+
+def test_no_full_collection_starts_inside_a_loop(collections_started):
+    gc.collect()
+    collections_started.clear()
+    kept = _allocate_survivors()
+    assert 2 in collections_started  # the default thresholds: full collections on their own
+    del kept
+    gc.collect()
+    collections_started.clear()
+    with frozen_heap():
+        assert gc.get_threshold()[2] == NO_FULL_COLLECTIONS
+        with frozen_heap():
+            kept = _allocate_survivors()
+        assert gc.get_threshold()[2] == NO_FULL_COLLECTIONS  # the outer loop still runs
+    assert 1 in collections_started and 2 not in collections_started  # young ones still run
+    del kept
+
+
+def test_full_collections_of_a_long_lived_loop(collections_started, monkeypatch):
+    now = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    collections = FullCollections(idle_interval_s=10.0, busy_interval_s=60.0)
+    now[0] += 30.0
+    collections.on_idle()
+    assert collections_started == []  # no step ran since the last one
+    collections.after_step()
+    assert collections_started == []  # busy for less than the busy interval
+    collections.on_idle()
+    assert collections_started == [2]  # idle, the idle interval passed
+    collections.after_step()
+    now[0] += 5.0
+    collections.on_idle()
+    assert collections_started == [2]  # idle again, but too soon
+    now[0] += 5.0
+    collections.on_idle()
+    assert collections_started == [2, 2]
+    for _ in range(3):  # busy from here on
+        now[0] += 30.0
+        collections.after_step()
+    assert collections_started == [2, 2, 2]
 
 
 def test_a_cycle_older_than_the_loop_waits_for_its_end():
@@ -119,3 +185,33 @@ def test_the_async_engine_thread_holds_it_until_shutdown(tiny_llama):
     finally:
         engine.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_the_async_engine_collects_when_it_goes_idle(tiny_llama, monkeypatch):
+    calls = []
+
+    class Recording(FullCollections):
+        def _collect_after(self, interval_s: float) -> None:
+            dirty = self._dirty
+            super()._collect_after(interval_s)
+            if dirty and not self._dirty:
+                calls.append(interval_s)
+
+    monkeypatch.setattr(async_engine, "FullCollections",
+                        lambda: Recording(idle_interval_s=0.0))
+    engine = async_engine.AsyncEngine(make_engine(tiny_llama, block_size=4))
+
+    async def one_request() -> None:
+        params = kiln.SamplingParams(max_tokens=4, ignore_eos=True)
+        async for _ in engine.generate([5, 6, 7], params):
+            pass
+
+    try:
+        asyncio.run(one_request())
+        for _ in range(200):  # idle within IDLE_WAIT_S, and the idle interval has passed
+            if calls:
+                break
+            time.sleep(0.01)
+        assert calls == [0.0]  # one collection, when the thread went idle
+    finally:
+        engine.shutdown()
