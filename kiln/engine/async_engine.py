@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.config import EngineConfig
-from kiln.engine.gc_heap import FullCollections, frozen_heap
+from kiln.engine.gc_heap import frozen_heap
 from kiln.engine.inputs import PromptLike
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.request import Request
@@ -144,13 +144,12 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         with frozen_heap():  # the server's start-up heap, for the thread's lifetime
-            self._steps(FullCollections())
+            self._steps()
 
-    def _steps(self, collections: FullCollections) -> None:
+    def _steps(self) -> None:
         while not self._stopping:
             self._run_commands()
             if not self.engine.has_unfinished_requests():
-                collections.on_idle()
                 self._wakeup.wait(timeout=IDLE_WAIT_S)
                 self._wakeup.clear()
                 continue
@@ -166,7 +165,6 @@ class AsyncEngine:
                           else self._streams.get(output.request_id))
                 if stream is not None:
                     stream.put(output)
-            collections.after_step()
             if self.engine.num_scheduled_last_step == 0:
                 self._wakeup.wait(timeout=BLOCKED_WAIT_S)
                 self._wakeup.clear()

@@ -1,4 +1,5 @@
-"""Garbage collection around step loops: the start-up heap left out, no full collection inside.
+"""Garbage collection around step loops: the start-up heap left out, and in finite loops no full
+collection at all.
 
 A full collection (the oldest generation) scans every tracked object. Once an engine is up that
 is the model's modules, the tokenizer, compiled kernels and CUDA graphs: several hundred
@@ -9,75 +10,76 @@ spike in every in-flight request's inter-token latency.
 
 ``frozen_heap()`` moves the objects that exist on entry to the permanent generation
 (``gc.freeze``) for as long as the loop runs and hands them back (``gc.unfreeze``) when the
-outermost loop ends, so nothing is kept from collection for good. Inside, the young generations
-are collected as before (a cycle that dies young goes at once) but no full collection starts on
-its own: one still scanned everything the loop keeps alive, 20-70 ms at 64-512 requests, and it
-found nothing (the step loop makes no cyclic garbage: 256 requests run on the CPU, 0 objects
-freed), while each one cost a stall (ab_runs.txt 36). The default thresholds come back with the
-last exit. A loop that lives as long as a server, whose other threads may leave cycles to age,
-runs full collections itself through ``FullCollections``: when it is idle (at most every 10 s),
-and once a minute if it stays busy. Freezing and unfreezing are O(1) list splices. Loops may
-nest or run in several threads (an engine thread beside an offline run): the heap is frozen on
-the first entry and released on the last exit.
+outermost loop ends, so nothing is kept from collection for good; the objects the loop creates
+are collected as before, and a full collection then scans only those. Every step loop runs in it.
+
+``no_full_collections()`` also keeps full collections from starting on their own (the young
+generations are collected as before, so a cycle that dies young still goes at once): in a loop
+that steps 64-512 requests one still scanned everything the loop keeps alive, a 15-70 ms stall,
+to free nothing, as the steps make no cyclic garbage (ab_runs.txt 36). The loops that end (an
+offline batch, a benchmark) run in it; a server's step thread does not, since the process is
+long-lived and its other threads may leave cycles to age: there CPython's own rule applies, and
+with the start-up heap frozen it rarely starts one.
+
+Both nest and work across threads (an engine thread beside an offline run): the first entry
+switches, the last exit switches back; freezing and unfreezing are O(1) list splices.
 """
 
 from __future__ import annotations
 
 import gc
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 # young collections between two full ones (CPython's third threshold): never, in practice
 NO_FULL_COLLECTIONS = 2**31 - 1
 
-_lock = threading.Lock()
-_depth = 0
-_thresholds: tuple[int, ...] = ()
+
+def _nested(enter: Callable[[], None], leave: Callable[[], None],
+            doc: str) -> Callable[[], AbstractContextManager[None]]:
+    """A context manager that calls ``enter`` on the first of any number of nested or
+    concurrent entries and ``leave`` on the last exit."""
+    lock, depth = threading.Lock(), [0]
+
+    @contextmanager
+    def scope() -> Iterator[None]:
+        with lock:
+            if depth[0] == 0:
+                enter()
+            depth[0] += 1
+        try:
+            yield
+        finally:
+            with lock:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    leave()
+
+    scope.__doc__ = doc
+    return scope
+
+
+_thresholds: list[tuple[int, ...]] = []
+
+
+def _stop_full_collections() -> None:
+    _thresholds.append(gc.get_threshold())
+    gc.set_threshold(_thresholds[-1][0], _thresholds[-1][1], NO_FULL_COLLECTIONS)
+
+
+def _restore_full_collections() -> None:
+    gc.set_threshold(*_thresholds.pop())
+
+
+frozen_heap = _nested(gc.freeze, gc.unfreeze,
+                      "Run a step loop with the heap of its start left out of garbage collection.")
+no_full_collections = _nested(_stop_full_collections, _restore_full_collections,
+                              "Run a loop that ends with no full collection starting on its own.")
 
 
 @contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Run a step loop with the heap of its start left out of garbage collection and no
-    automatic full collection."""
-    global _depth, _thresholds
-    with _lock:
-        if _depth == 0:
-            gc.freeze()
-            _thresholds = gc.get_threshold()
-            gc.set_threshold(_thresholds[0], _thresholds[1], NO_FULL_COLLECTIONS)
-        _depth += 1
-    try:
+def finite_loop_heap() -> Iterator[None]:
+    """A loop that ends (an offline batch, a benchmark, a profile): both of the above."""
+    with frozen_heap(), no_full_collections():
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                gc.set_threshold(*_thresholds)
-                gc.unfreeze()
-
-
-class FullCollections:
-    """The full collections of a long-lived loop under ``frozen_heap()``: when it is idle (the
-    cheap moment), at most every ``idle_interval_s``, and if it stays busy, every
-    ``busy_interval_s``; only after steps ran since the last one."""
-
-    def __init__(self, idle_interval_s: float = 10.0, busy_interval_s: float = 60.0) -> None:
-        self.idle_interval_s = idle_interval_s
-        self.busy_interval_s = busy_interval_s
-        self._last = time.monotonic()
-        self._dirty = False
-
-    def after_step(self) -> None:
-        self._dirty = True
-        self._collect_after(self.busy_interval_s)
-
-    def on_idle(self) -> None:
-        self._collect_after(self.idle_interval_s)
-
-    def _collect_after(self, interval_s: float) -> None:
-        if self._dirty and time.monotonic() - self._last >= interval_s:
-            gc.collect()
-            self._last = time.monotonic()
-            self._dirty = False

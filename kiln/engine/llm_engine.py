@@ -15,7 +15,7 @@ from typing import Any
 from kiln.cache.kv_cache import KVCache
 from kiln.cache.kv_cache_manager import KVCacheManager
 from kiln.config import EngineConfig
-from kiln.engine.gc_heap import frozen_heap
+from kiln.engine.gc_heap import finite_loop_heap
 from kiln.engine.inputs import PromptLike, check_prompt_length, tokenize_prompt
 from kiln.engine.model_runner import ModelRunner, StepResult
 from kiln.engine.overlap import InFlightStep, chain_step, chainable
@@ -255,8 +255,8 @@ class LLMEngine:
 
     def stream_outputs(self) -> Iterator[RequestOutput]:
         """Step until idle, yielding every step's outputs as it returns them, with the heap of
-        the loop's start out of garbage collection (kiln/engine/gc_heap.py)."""
-        with frozen_heap():
+        the loop's start out of garbage collection and no full collections (gc_heap.py)."""
+        with finite_loop_heap():
             while self.has_unfinished_requests():
                 yield from self.step()
 

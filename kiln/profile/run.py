@@ -19,7 +19,7 @@ from kiln.bench.env import ceilings
 from kiln.bench.result import make_result
 from kiln.bench.stats import summarize
 from kiln.bench.workload import BenchRequest, WorkloadSpec, build_requests
-from kiln.engine.gc_heap import frozen_heap
+from kiln.engine.gc_heap import finite_loop_heap
 from kiln.models.loader import resolve_device
 from kiln.profile.annotate import PHASES, PREFIX, annotate_engine, step_range
 from kiln.profile.kernels import collect_rows, table
@@ -71,7 +71,7 @@ def run_profile(cfg: ProfileConfig, output_dir: Path) -> dict[str, Any]:
     offline.run_requests(llm, [BenchRequest(r.prompt, 4) for r in requests[:cfg.batch_size]])
     for i, r in enumerate(requests[cfg.batch_size:]):
         engine.add_request(f"profile-{i}", r.prompt, offline.greedy_params(r.output_len))
-    with frozen_heap():  # no full collection of the start-up heap inside the window
+    with finite_loop_heap():  # no full collection inside the window
         for _ in range(cfg.skip_steps):
             engine.step()
         nvtx = device.type == "cuda"

@@ -1,22 +1,19 @@
-"""frozen_heap: step loops run with the heap of their start out of garbage collection and no
-automatic full collection, and give both back when the last of them ends; a server's loop runs
-its full collections itself (FullCollections)."""
+"""gc_heap: step loops run with the heap of their start out of garbage collection, loops that end
+also with no full collection starting on its own, and both come back with the last exit; the
+server's step thread keeps CPython's own full collections."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import threading
 import time
 import weakref
 
 import pytest
-from engine_helpers import make_engine
 
 import kiln
-from kiln.engine import async_engine
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.gc_heap import NO_FULL_COLLECTIONS, FullCollections, frozen_heap
+from kiln.engine.gc_heap import NO_FULL_COLLECTIONS, frozen_heap, no_full_collections
 from kiln.engine.llm_engine import LLMEngine
 
 
@@ -60,7 +57,7 @@ def _allocate_survivors() -> list:
     return [[] for _ in range(400_000)]
 
 
-def test_no_full_collection_starts_inside_a_loop(collections_started):
+def test_no_full_collection_starts_inside_a_finite_loop(collections_started):
     gc.collect()
     collections_started.clear()
     kept = _allocate_survivors()
@@ -68,37 +65,13 @@ def test_no_full_collection_starts_inside_a_loop(collections_started):
     del kept
     gc.collect()
     collections_started.clear()
-    with frozen_heap():
+    with no_full_collections():
         assert gc.get_threshold()[2] == NO_FULL_COLLECTIONS
-        with frozen_heap():
+        with no_full_collections():
             kept = _allocate_survivors()
         assert gc.get_threshold()[2] == NO_FULL_COLLECTIONS  # the outer loop still runs
     assert 1 in collections_started and 2 not in collections_started  # young ones still run
     del kept
-
-
-def test_full_collections_of_a_long_lived_loop(collections_started, monkeypatch):
-    now = [time.monotonic()]
-    monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    collections = FullCollections(idle_interval_s=10.0, busy_interval_s=60.0)
-    now[0] += 30.0
-    collections.on_idle()
-    assert collections_started == []  # no step ran since the last one
-    collections.after_step()
-    assert collections_started == []  # busy for less than the busy interval
-    collections.on_idle()
-    assert collections_started == [2]  # idle, the idle interval passed
-    collections.after_step()
-    now[0] += 5.0
-    collections.on_idle()
-    assert collections_started == [2]  # idle again, but too soon
-    now[0] += 5.0
-    collections.on_idle()
-    assert collections_started == [2, 2]
-    for _ in range(3):  # busy from here on
-        now[0] += 30.0
-        collections.after_step()
-    assert collections_started == [2, 2, 2]
 
 
 def test_a_cycle_older_than_the_loop_waits_for_its_end():
@@ -156,7 +129,8 @@ def test_the_engine_steps_with_the_heap_frozen(tiny_llama, monkeypatch):
     real_step = engine.step
 
     def step():
-        frozen_at_step.append(gc.get_freeze_count() > 0)
+        frozen_at_step.append(gc.get_freeze_count() > 0
+                              and gc.get_threshold()[2] == NO_FULL_COLLECTIONS)
         return real_step()
 
     monkeypatch.setattr(engine, "step", step)
@@ -182,36 +156,8 @@ def test_the_async_engine_thread_holds_it_until_shutdown(tiny_llama):
                 break
             time.sleep(0.01)
         assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[2] != NO_FULL_COLLECTIONS  # a server's full collections stay
     finally:
         engine.shutdown()
     assert gc.get_freeze_count() == 0
 
-
-def test_the_async_engine_collects_when_it_goes_idle(tiny_llama, monkeypatch):
-    calls = []
-
-    class Recording(FullCollections):
-        def _collect_after(self, interval_s: float) -> None:
-            dirty = self._dirty
-            super()._collect_after(interval_s)
-            if dirty and not self._dirty:
-                calls.append(interval_s)
-
-    monkeypatch.setattr(async_engine, "FullCollections",
-                        lambda: Recording(idle_interval_s=0.0))
-    engine = async_engine.AsyncEngine(make_engine(tiny_llama, block_size=4))
-
-    async def one_request() -> None:
-        params = kiln.SamplingParams(max_tokens=4, ignore_eos=True)
-        async for _ in engine.generate([5, 6, 7], params):
-            pass
-
-    try:
-        asyncio.run(one_request())
-        for _ in range(200):  # idle within IDLE_WAIT_S, and the idle interval has passed
-            if calls:
-                break
-            time.sleep(0.01)
-        assert calls == [0.0]  # one collection, when the thread went idle
-    finally:
-        engine.shutdown()
