@@ -157,6 +157,8 @@ class LLMEngine:
         it first and only then applies it, so each call returns the outputs of the step before.
         """
         prev, self._in_flight = self._in_flight, None
+        if prev is not None:  # a request admitted next can reuse the prompt blocks it fills
+            self._cache_filled_blocks(prev.out)
         chained = chain_step(prev, self.scheduler, self.kv) if prev is not None else None
         if chained is not None:
             out, token_ids = chained
@@ -188,16 +190,21 @@ class LLMEngine:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
 
-    def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+    def _cache_filled_blocks(self, out: SchedulerOutput) -> None:
+        """Hash for prefix reuse the blocks a launched step fills (with every step before it
+        applied): a step launched after it reads them only after they are written."""
         block_size = self.kv_cache.block_size
         for item in out.scheduled:
             seq = item.seq
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_computed_tokens // block_size > before // block_size:
-                # a block just filled up: hash it for prefix reuse (token_ids copies the list,
-                # so skip the call on the steps that complete no block)
-                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            end = seq.num_computed_tokens + item.num_new_tokens
+            if end // block_size > seq.num_computed_tokens // block_size and not seq.finished:
+                # token_ids copies the list: skip the steps that complete no block
+                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, end)
+
+    def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        self._cache_filled_blocks(out)
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
         for item, first, lps in result.prompt_logprobs:
             ids = item.request.prompt_token_ids[first:first + lps.token_logprobs.shape[0] + 1]
             item.request.prompt_logprobs += prompt_logprobs_to_dicts(

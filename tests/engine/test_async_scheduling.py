@@ -231,3 +231,24 @@ def test_abort_of_a_request_admitted_into_the_step_in_flight(tiny_llama, chained
     assert finished["x"].outputs[0].token_ids == alone["0"][0][0]
     assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
     engine.kv.check_integrity()
+
+
+def test_a_request_admitted_next_reuses_the_prompt_blocks_in_flight(tiny_llama, chained):
+    """The blocks a launched step fills are hashed before the next step is scheduled, so a
+    request admitted into the chained step reuses a prefix that step is still computing."""
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 300) for _ in range(40)]
+    greedy = kiln.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for async_scheduling in (True, False):
+        engine = make_engine(tiny_llama, block_size=4, enable_prefix_caching=True,
+                             async_scheduling=async_scheduling)
+        engine.add_request("a", shared + [7, 8], greedy)
+        engine.step()  # a's prompt: in flight (async) or applied (sync)
+        engine.add_request("b", shared + [9, 10, 11], greedy)
+        engine.step()
+        assert engine.requests["b"].metrics.num_cached_tokens == 40
+        outputs[async_scheduling] = {o.request_id: o.outputs[0].token_ids
+                                     for o in engine.run_to_completion()}
+    assert chained and chained[0].started == ["b"]
+    assert outputs[True] == outputs[False]
