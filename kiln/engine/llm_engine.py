@@ -179,8 +179,9 @@ class LLMEngine:
             return []
         result = self.runner.execute(out)
         if self.config.scheduler.async_scheduling and chainable(out, result):
-            self._in_flight = InFlightStep.launch(out, result)
+            self._in_flight = InFlightStep.launch(out, result)  # its blocks: at the next step()
             return []
+        self._cache_filled_blocks(out)
         return self._update(out, result)
 
     def _note_scheduled(self, out: SchedulerOutput) -> None:
@@ -191,8 +192,10 @@ class LLMEngine:
                 item.request.metrics.first_scheduled_time = now
 
     def _cache_filled_blocks(self, out: SchedulerOutput) -> None:
-        """Hash for prefix reuse the blocks a launched step fills (with every step before it
-        applied): a step launched after it reads them only after they are written."""
+        """Hash for prefix reuse the blocks a launched step fills, once every step before it is
+        applied (so its tokens are on the host) and before the next is scheduled: a step
+        launched after it reads them only after they are written. Once per step: a step kept
+        in flight at the start of the next step(), one applied at once before its update."""
         block_size = self.kv_cache.block_size
         for item in out.scheduled:
             seq = item.seq
@@ -202,7 +205,6 @@ class LLMEngine:
                 self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, end)
 
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        self._cache_filled_blocks(out)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         for item, first, lps in result.prompt_logprobs:

@@ -90,8 +90,7 @@ def run_profile(cfg: ProfileConfig, output_dir: Path) -> dict[str, Any]:
                 events = list(prof.events())
             else:
                 step_ms = [_step(engine, i, nvtx, device)[0] for i in range(cfg.num_steps)]
-        while engine.has_unfinished_requests():
-            engine.step()
+        engine.run_to_completion()
     elsize = torch.empty((), dtype=engine.loaded.dtype).element_size()
     rows = table(collect_rows(events, device.type == "cuda", elsize),
                  roofs["compute_tflops"], roofs["bandwidth_gbps"]) if events else []
