@@ -18,7 +18,7 @@ from kiln.config import EngineConfig
 from kiln.engine.gc_heap import finite_loop_heap
 from kiln.engine.inputs import PromptLike, check_prompt_length, tokenize_prompt
 from kiln.engine.model_runner import ModelRunner, StepResult
-from kiln.engine.overlap import InFlightStep, chain_step, chainable
+from kiln.engine.overlap import InFlightStep, chain_step, chainable, warm_up
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.sequence import apply_sampler_output, prompt_logprobs_to_dicts
@@ -70,6 +70,8 @@ class LLMEngine:
         if self.backend == "triton" and not config.enforce_eager:
             self.startup_seconds["capture_cuda_graphs"] = self.runner.capture_graphs(
                 config.scheduler.max_num_seqs, self.max_model_len)
+        if config.scheduler.async_scheduling:
+            warm_up(self.loaded.device)  # the chained steps' own device ops, loaded now
         log.info("start-up: %s", ", ".join(f"{k} {v:.1f} s"
                                             for k, v in self.startup_seconds.items()))
         log.info("KV cache: %d blocks of %d tokens (%d tokens), %d CPU swap blocks; attention "
