@@ -162,7 +162,8 @@ def _wint_gemm_kernel(
 # with one shift and one and/or into the float f = 1 + u / 2^BITS (u's bits placed in the top
 # mantissa bits of 1.0), so that
 #     sum_k (u_k - z) s x_k = s (2^BITS sum_k f_k x_k - (2^BITS + z) sum_k x_k),
-# where sum_k x_k is shared by all rows: per code a shift, an and/or and one FMA.
+# where sum_k x_k is shared by all rows: per code a shift, an and/or and one FMA. The FMA kernel
+# decodes int4 codes against 16-bit x with three shifts a word instead of eight (_int4_code).
 #
 # CUDA-core kernel layout (checked in the TTGIR and SASS of Triton 3.6 on the H100 and 3.9: no
 # layout conversion, no shared memory inside the K loop of the default [8, 512] tile; 256-word
@@ -199,10 +200,31 @@ def _decode(words, j: tl.constexpr, BITS: tl.constexpr, W_FP8: tl.constexpr, one
 
 
 @triton.jit
-def _fma_code(one, p, xs, words, x_row, xj, perm_ptr, smooth_ptr, cols, c_mask, j: tl.constexpr,
-              BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_PERM: tl.constexpr,
-              HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
-    """p += code j of ``words`` * xs[PER_WORD cols + j]; xs accumulates those inputs."""
+def _int4_code(words, j: tl.constexpr, one):
+    """Int4 code j of int32 words for the FMA kernel: f = 1 + u 2^(pos - 23) for its mantissa
+    position pos = 11 + 4 (j % 3), so that f x w = x w + u x / 16 with w = 2^(19 - pos).
+
+    Codes 0-2, 3-5 and 6-7 share one shift each (to bits 11, 15, 19 of the mantissa): three
+    shifts a word instead of _decode's eight, one instruction in eight fewer per code. The low
+    positions cost float32 bits of the partial sums (u x / 16 next to up to 256 x: 12 of 24
+    left): far below a 16-bit output's rounding, so float32 inputs keep _decode.
+    """
+    if j < 3:
+        t = words << 11
+    elif j < 6:
+        t = words >> 1
+    else:
+        t = words >> 13
+    return ((t & (15 << (11 + 4 * (j % 3)))) | one).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fma_code(one, p, xs, xn, words, x_row, xj, perm_ptr, smooth_ptr, cols, c_mask,
+              j: tl.constexpr, BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_PERM: tl.constexpr,
+              HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr, SHIFT3: tl.constexpr):  # fmt: skip
+    """p += f_j x_j w_j for code j of ``words`` (its input x_j = xs[PER_WORD cols + j]);
+    xs accumulates x_j w_j, xn x_j: sum_j u_j x_j = 2^BITS (p - xs). SHIFT3: int4 codes by
+    _int4_code, else by _decode (w_j = 1)."""
     k = cols * (32 // BITS) + j
     if HAS_PERM:  # GPTQ act-order: gather x
         if EVEN_K:
@@ -217,14 +239,17 @@ def _fma_code(one, p, xs, words, x_row, xj, perm_ptr, smooth_ptr, cols, c_mask, 
             sm = tl.load(smooth_ptr + k, mask=c_mask, other=0.0).to(tl.float32)
         xj = (xj.to(tl.float32) * sm).to(x_row.dtype.element_ty)
     x = xj.to(tl.float32)
-    return p + _decode(words, j, BITS, W_FP8, one) * x[None, :], xs + x
+    if SHIFT3:
+        xw = x * (1 << (8 - 4 * (j % 3)))  # w_j
+        return p + _int4_code(words, j, one) * xw[None, :], xs + xw, xn + x
+    return p + _decode(words, j, BITS, W_FP8, one) * x[None, :], xs + x, xn + x
 
 
 @triton.jit
-def _fma_word_plane(one, p, xs, words, x_row, perm_ptr, smooth_ptr, cols, c_mask,
+def _fma_word_plane(one, p, xs, xn, words, x_row, perm_ptr, smooth_ptr, cols, c_mask,
                     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_PERM: tl.constexpr,
-                    HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr,
-                    BLOCK_C: tl.constexpr):  # fmt: skip
+                    HAS_SMOOTH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                    SHIFT3: tl.constexpr):  # fmt: skip
     """All codes of a plane of words [BLOCK_N, BLOCK_C] (word index ``cols``) against x."""
     if HAS_PERM:  # gathered per code in _fma_code
         z = tl.zeros([BLOCK_C], x_row.dtype.element_ty)
@@ -251,25 +276,33 @@ def _fma_word_plane(one, p, xs, words, x_row, perm_ptr, smooth_ptr, cols, c_mask
         xw = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=c_mask[:, None], other=0.0)
         x0, x1 = tl.split(xw)
         x2, x3, x4, x5, x6, x7 = x0, x1, x0, x1, x0, x1  # unused
-    p, xs = _fma_code(one, p, xs, words, x_row, x0, perm_ptr, smooth_ptr, cols, c_mask, 0,
-                      BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
-    p, xs = _fma_code(one, p, xs, words, x_row, x1, perm_ptr, smooth_ptr, cols, c_mask, 1,
-                      BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+    p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x0, perm_ptr, smooth_ptr, cols,
+                          c_mask, 0, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                          SHIFT3)  # fmt: skip
+    p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x1, perm_ptr, smooth_ptr, cols,
+                          c_mask, 1, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                          SHIFT3)  # fmt: skip
     if BITS <= 8:
-        p, xs = _fma_code(one, p, xs, words, x_row, x2, perm_ptr, smooth_ptr, cols, c_mask, 2,
-                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
-        p, xs = _fma_code(one, p, xs, words, x_row, x3, perm_ptr, smooth_ptr, cols, c_mask, 3,
-                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
+        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x2, perm_ptr, smooth_ptr, cols,
+                              c_mask, 2, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                              SHIFT3)  # fmt: skip
+        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x3, perm_ptr, smooth_ptr, cols,
+                              c_mask, 3, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                              SHIFT3)  # fmt: skip
     if BITS == 4:
-        p, xs = _fma_code(one, p, xs, words, x_row, x4, perm_ptr, smooth_ptr, cols, c_mask, 4,
-                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
-        p, xs = _fma_code(one, p, xs, words, x_row, x5, perm_ptr, smooth_ptr, cols, c_mask, 5,
-                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
-        p, xs = _fma_code(one, p, xs, words, x_row, x6, perm_ptr, smooth_ptr, cols, c_mask, 6,
-                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
-        p, xs = _fma_code(one, p, xs, words, x_row, x7, perm_ptr, smooth_ptr, cols, c_mask, 7,
-                          BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K)  # fmt: skip
-    return p, xs
+        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x4, perm_ptr, smooth_ptr, cols,
+                              c_mask, 4, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                              SHIFT3)  # fmt: skip
+        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x5, perm_ptr, smooth_ptr, cols,
+                              c_mask, 5, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                              SHIFT3)  # fmt: skip
+        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x6, perm_ptr, smooth_ptr, cols,
+                              c_mask, 6, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                              SHIFT3)  # fmt: skip
+        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x7, perm_ptr, smooth_ptr, cols,
+                              c_mask, 7, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                              SHIFT3)  # fmt: skip
+    return p, xs, xn
 
 
 @triton.jit
@@ -292,7 +325,8 @@ def _wq_gemv_kernel(
     BITS: tl.constexpr, W_FP8: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, WPG: tl.constexpr, CODE_SCALE: tl.constexpr,
     ZERO_SYM: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SHIFT3: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """CUDA-core GEMV: y[m, n] for the row m = program_id(0) of x, FMAs in float32.
 
@@ -325,7 +359,8 @@ def _wq_gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + pid_m * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
-    xacc = tl.zeros([BLOCK_C], tl.float32)
+    xacc = tl.zeros([BLOCK_C], tl.float32)  # per-row scales: sum of xs (then of xn)
+    nacc = tl.zeros([BLOCK_C], tl.float32)
     # the bits of 1.0f as a run-time value (KW > 0): as an immediate, ptxas re-materializes it
     # before every decode's and/or (about 0.6 more instructions per code)
     one = (KW >> 31) + 0x3F800000
@@ -345,38 +380,41 @@ def _wq_gemv_kernel(
         c0 = kw0 + offs_c
         p = tl.zeros([BLOCK_N, BLOCK_C], tl.float32) if WPG > 0 else acc
         xs = tl.zeros([BLOCK_C], tl.float32)
-        p, xs = _fma_word_plane(one, p, xs, w0, x_row, perm_ptr, smooth_ptr, c0, c0 < KW,
-                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
-        p, xs = _fma_word_plane(one, p, xs, w1, x_row, perm_ptr, smooth_ptr, c0 + 1, c0 + 1 < KW,
-                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
-        p, xs = _fma_word_plane(one, p, xs, w2, x_row, perm_ptr, smooth_ptr, c0 + 2, c0 + 2 < KW,
-                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
-        p, xs = _fma_word_plane(one, p, xs, w3, x_row, perm_ptr, smooth_ptr, c0 + 3, c0 + 3 < KW,
-                                BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K, BLOCK_C)  # fmt: skip
-        if WPG > 0:  # scale this tile's partial sums: acc += s (2^BITS p - (2^BITS + z) xs)
-            g = tl.minimum(c0, KW - 1) // WPG  # masked columns have p = xs = 0
+        xn = xs
+        p, xs, xn = _fma_word_plane(one, p, xs, xn, w0, x_row, perm_ptr, smooth_ptr,
+                                    c0, c0 < KW, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                                    BLOCK_C, SHIFT3)  # fmt: skip
+        p, xs, xn = _fma_word_plane(one, p, xs, xn, w1, x_row, perm_ptr, smooth_ptr,
+                                    c0 + 1, c0 + 1 < KW, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                                    BLOCK_C, SHIFT3)  # fmt: skip
+        p, xs, xn = _fma_word_plane(one, p, xs, xn, w2, x_row, perm_ptr, smooth_ptr,
+                                    c0 + 2, c0 + 2 < KW, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                                    BLOCK_C, SHIFT3)  # fmt: skip
+        p, xs, xn = _fma_word_plane(one, p, xs, xn, w3, x_row, perm_ptr, smooth_ptr,
+                                    c0 + 3, c0 + 3 < KW, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+                                    BLOCK_C, SHIFT3)  # fmt: skip
+        if WPG > 0:  # scale this tile's partial sums: acc += s (2^BITS (p - xs) - z xn)
+            g = tl.minimum(c0, KW - 1) // WPG  # masked columns have p = xs = xn = 0
             s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :])
             if HAS_ZEROS:
                 z = tl.load(z_ptr + rows[:, None] * stride_zn + g[None, :])
-                zx = (z.to(tl.float32) + CODE_SCALE) * xs[None, :]
+                zx = CODE_SCALE * xs[None, :] + z.to(tl.float32) * xn[None, :]
             else:
-                zx = ((CODE_SCALE + ZERO_SYM) * xs)[None, :]
+                zx = (CODE_SCALE * xs + ZERO_SYM * xn)[None, :]
             acc += (p * CODE_SCALE - zx) * s.to(tl.float32)
         else:
             acc = p
             xacc += xs
+            nacc += xn
     if WPG > 0 or BITS == 16:  # group scales already applied; 16-bit: no scale
         y = tl.sum(acc, axis=1)
     elif W_FP8:
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows * stride_sn).to(tl.float32)
     else:
         s = tl.load(s_ptr + rows * stride_sn).to(tl.float32)
-        if HAS_ZEROS:
-            zc = tl.load(z_ptr + rows * stride_zn).to(tl.float32)
-            zc = zc + CODE_SCALE
-        else:
-            zc = CODE_SCALE + ZERO_SYM
-        y = s * (tl.sum(acc, axis=1) * CODE_SCALE - zc * tl.sum(xacc, axis=0))
+        zc = tl.load(z_ptr + rows * stride_zn).to(tl.float32) if HAS_ZEROS else ZERO_SYM
+        y = s * (CODE_SCALE * (tl.sum(acc, axis=1) - tl.sum(xacc, axis=0))
+                 - zc * tl.sum(nacc, axis=0))
     if HAS_BIAS:
         y += bias
     dt = out_ptr.dtype.element_ty
@@ -652,7 +690,7 @@ def _default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> 
     return GemmConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps, cfg.num_stages)
 
 
-def _gemv_config(m: int, n: int, k: int, bits: int) -> GemvConfig | None:
+def _gemv_config(m: int, n: int, k: int, bits: int, gated: bool = False) -> GemvConfig | None:
     """Small-M choice (None: the tile kernel), from the H100 run in results/h100/quant_kernels.
 
     M <= GEMV_FMA_MAX_M: the FMA kernel, [8 rows, 512 words] tiles (each thread 8 rows x 16
@@ -666,18 +704,16 @@ def _gemv_config(m: int, n: int, k: int, bits: int) -> GemvConfig | None:
         # batch 1, from the sweep with PDL and the pipelined K loop
         # (results/h100/quant_decode1_sweep.txt): 8-bit codes stream best 4 rows a program at
         # every shape but qkv and the 14336-wide gate (within 1.5 us there), the LM head
-        # included (128256 x 4096: 167 us against 176); int4 keeps 8 rows, 16 where K is long
-        # (down_proj, 4096 x 14336: 14.4 us against 16.5), and at qkv's width two pipelined
-        # 256-word steps over K (6144 x 4096: 7.5 us against 8.1-8.2 in both sweeps). The
-        # LM head (128256 x 4096) streams best at 8 rows: 100.6 us against 123 for 16 rows, in
-        # two repeats (ab_runs.txt 9)
+        # included (128256 x 4096: 167 us against 176). int4 with _int4_code
+        # (results/h100/quant_shift3.txt): 16 rows and all of K = 4096 in one tile at every
+        # Llama-3.1-8B shape (qkv 7.0 us against 7.5 for the 256-word tiles before; o_proj 5.1
+        # against 5.6), and at down_proj's K = 14336, where _decode runs (14.4 us against 16.5
+        # for 8 rows); but the merged gate_up with silu in the epilogue keeps 8 (16 rows: batch-1
+        # decode 420.5 tok/s against 427.4). The LM head (128256 x 4096) streams best at 8
+        # rows: 100.6 us against 123 for 16 rows, in two repeats (ab_runs.txt 9)
         if bits == 8:
             return GemvConfig(1, 4, 512)
-        if n >= 65536:
-            return GemvConfig(1, 8, 512, 1)
-        if k >= 8192:
-            return GemvConfig(1, 16, 512, 1)
-        return GemvConfig(1, 8, 256) if 4096 < n <= 8192 else GemvConfig(1, 8, 512)
+        return GemvConfig(1, 8 if n >= 65536 or gated else 16, 512, 1)
     if m <= GEMV_FMA_MAX_M:
         return GemvConfig(1, 16, 512)
     # the tensor-core word kernel (GemvConfig(16, 64, 32, mma=True)) beat the tile kernel for int4
@@ -751,6 +787,12 @@ def _gemv_launch(
     bias_in_kernel = bias is not None and split == 1
     out = _output(m, n // 2 if gated else n, x.device, split, out_dtype)
     kernel = _wq_gemv_mma_kernel if cfg.mma else _wq_gemv_kernel
+    # int4 codes by _int4_code for 16-bit x where a program's K range is one tile (H100, 16-row
+    # tiles: qkv 7.0 us against 7.5, o_proj 5.1 against 5.6, batch-1 int4 decode 430.5 tok/s
+    # against 427.4); with a K loop it was slower (down_proj, 4096 x 14336: 18.4 against 14.4
+    # us), see benchmarks/results/h100/quant_shift3.txt
+    shift3 = (bits == 4 and not w_fp8 and x.dtype != torch.float32 and not cfg.mma
+              and kw_per_split <= block_kw)
     block_m = max(cfg.block_m, 16) if cfg.mma else 1  # FMA kernel: one row of x per program
     # rows of x fastest: the programs that share a weight tile run together (L2 hits)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), triton.cdiv(kw, kw_per_split))
@@ -765,7 +807,8 @@ def _gemv_launch(
         HAS_SMOOTH=smooth is not None, WPG=wpg, CODE_SCALE=float(2**bits),
         ZERO_SYM=float(2 ** (bits - 1)),
         EVEN_K=kw % block_kw == 0 and kw_per_split % block_kw == 0, BLOCK_M=block_m,
-        HAS_BIAS=bias_in_kernel, **({"NATURAL": cfg.natural} if cfg.mma else {"GATED": gated}),
+        HAS_BIAS=bias_in_kernel,
+        **({"NATURAL": cfg.natural} if cfg.mma else {"GATED": gated, "SHIFT3": shift3}),
         BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
@@ -851,7 +894,7 @@ def wint_gemm_triton(
     w_fp8 = qweight.dtype == FP8_DTYPE
     gemv_ok = words is not None and (group >= k or group % (128 // bits) == 0)
     if config is None and m <= SMALL_M and gemv_ok:
-        config = _gemv_config(m, n, k, bits)
+        config = _gemv_config(m, n, k, bits, gated)
     if isinstance(config, GemvConfig) and gemv_ok:
         fuse = gated and not config.mma
         out = _gemv_launch(x, words, scales, zeros, bits, group, perm, smooth, w_fp8, config,
