@@ -18,7 +18,9 @@
    best ones are what quant_gemm._gemv_config should pick.
 
 GB/s counts the weight bytes read (packed codes + scales + zeros) plus activations in and out;
-the W4A16 GEMV target is >= 70% of the 2831 GB/s copy bandwidth (shared/GPU.md). ``--budget``
+the W4A16 GEMV target is >= 70% of the 2831 GB/s copy bandwidth (shared/GPU.md). At M = 1 the
+timings include a load-only kernel that reads what the int4 GEMV reads, at its tiles, and does
+nothing with it: the floor of that kernel's structure at each shape. ``--budget``
 stops the sweep when the whole run has used that many seconds (the JSON is written after every
 stage); ``--asm DIR`` copies the Triton cache entries of the small-M kernels (TTGIR, PTX,
 cubin) there as one tarball, for reading their SASS off the device.
@@ -46,6 +48,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from kiln.kernels import quant_gemm as qg  # noqa: E402
+from kiln.kernels._triton import pdl, tl, wait_for_inputs  # noqa: E402
 from kiln.quant import w8a8  # noqa: E402
 from kiln.quant.rtn import rtn_quantize  # noqa: E402
 
@@ -91,6 +94,46 @@ def time_graph_us(make_fn, bytes_per_call: int, reps: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (5 * reps * copies)
+
+
+@triton.jit
+def _load_only_kernel(w_ptr, s_ptr, out_ptr, N, KW, stride_wn, stride_sn, WPG: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """The int4 GEMV's reads and nothing else: the words of its tiles (the next one loaded
+    before the current is used, the first before the PDL wait, as the GEMV does) and the group
+    scales, folded with one XOR / add per value into a row result so none is dropped."""
+    BLOCK_C: tl.constexpr = BLOCK_KW // 4
+    offs_w = tl.arange(0, BLOCK_KW)
+    offs_c = tl.arange(0, BLOCK_C) * 4
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    bits = tl.zeros([BLOCK_N, BLOCK_KW], tl.int32)
+    sums = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+    packed = qg._load_words(w_rows, offs_w, KW > 0, KW, EVEN_K)
+    wait_for_inputs(USE_PDL)
+    for kw0 in range(0, KW, BLOCK_KW):
+        words = packed
+        packed = qg._load_words(w_rows, kw0 + BLOCK_KW + offs_w, kw0 + BLOCK_KW < KW, KW, EVEN_K)
+        bits ^= words
+        g = tl.minimum(kw0 + offs_c, KW - 1) // WPG
+        sums += tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :]).to(tl.float32)
+    y = tl.sum(bits, axis=1).to(tl.float32) + tl.sum(sums, axis=1)
+    tl.store(out_ptr + offs_n, y, mask=offs_n < N)
+
+
+def load_only(words: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """``_load_only_kernel`` with the tiles the batch-1 int4 GEMV takes at this shape."""
+    n, kw = words.shape
+    cfg = qg._gemv_config(1, n, kw * 8, 4)
+    block_kw = min(cfg.block_kw, triton.next_power_of_2(kw))
+    out = torch.empty(n, device=words.device, dtype=torch.float32)
+    _load_only_kernel[(triton.cdiv(n, cfg.block_n),)](
+        words, scales, out, n, kw, words.stride(0), scales.stride(0), WPG=group // 8,
+        BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, EVEN_K=kw % block_kw == 0,
+        num_warps=cfg.num_warps, **pdl(words.device))
+    return out
 
 
 def rotating(tensors, make):
@@ -193,6 +236,8 @@ def time_one(results: list[dict], f: Formats, n: int, k: int, m: int) -> None:
         ops[f"fp8-w8a8 {'triton' if triton_gemm else 'scaled_mm'}"] = (
             (wq, ws), lambda a, t=triton_gemm: lambda: w8a8.w8a8_linear(x, *a, "fp8",
                                                                       triton_gemm=t))
+    if m == 1:  # what the batch-1 int4 GEMV's reads alone take, at its own tiles
+        ops["w4 load-only floor"] = (f.w4[:2], lambda a: lambda: load_only(a[0], a[1], 128))
     if m <= qg.SMALL_M:
         ops["fp8 weight-only fused"] = (f.fp8_wo, lambda a: lambda: qg.wint_gemm_triton(x, *a))
     ops["int8-w8a8 int_mm"] = (f.int8, lambda a: lambda: w8a8.w8a8_linear(x, *a, "int8"))
@@ -344,7 +389,7 @@ def table(report: dict) -> None:
         print("  ERROR", c.strip().splitlines()[-1])
     if "pytest" in report:
         print("pytest -m gpu:", report["pytest"]["tail"].strip().splitlines()[-1:])
-    for label in ("w4a16-g128 fused", "w8a16 fused"):
+    for label in ("w4a16-g128 fused", "w4 load-only floor", "w8a16 fused"):
         gemv = [r for r in report["timings"] if r.get("op") == label and r["m"] == 1]
         for r in gemv:
             print(f"{label} M=1 {r['n']}x{r['k']}: {r['gb_s']:.0f} GB/s = "
