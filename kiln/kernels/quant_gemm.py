@@ -690,7 +690,7 @@ def _default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> 
     return GemmConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps, cfg.num_stages)
 
 
-def _gemv_config(m: int, n: int, k: int, bits: int, gated: bool = False) -> GemvConfig | None:
+def _gemv_config(m: int, n: int, k: int, bits: int) -> GemvConfig | None:
     """Small-M choice (None: the tile kernel), from the H100 run in results/h100/quant_kernels.
 
     M <= GEMV_FMA_MAX_M: the FMA kernel, [8 rows, 512 words] tiles (each thread 8 rows x 16
@@ -706,14 +706,16 @@ def _gemv_config(m: int, n: int, k: int, bits: int, gated: bool = False) -> Gemv
         # every shape but qkv and the 14336-wide gate (within 1.5 us there), the LM head
         # included (128256 x 4096: 167 us against 176). int4 with _int4_code
         # (results/h100/quant_shift3.txt): 16 rows and all of K = 4096 in one tile at every
-        # Llama-3.1-8B shape (qkv 7.0 us against 7.5 for the 256-word tiles before; o_proj 5.1
-        # against 5.6), and at down_proj's K = 14336, where _decode runs (14.4 us against 16.5
-        # for 8 rows); but the merged gate_up with silu in the epilogue keeps 8 (16 rows: batch-1
-        # decode 420.5 tok/s against 427.4). The LM head (128256 x 4096) streams best at 8
-        # rows: 100.6 us against 123 for 16 rows, in two repeats (ab_runs.txt 9)
+        # Llama-3.1-8B shape up to 8192 rows (qkv 7.0 us against 7.5 for the 256-word tiles
+        # before; o_proj 5.1 against 5.6), and at down_proj's K = 14336, where _decode runs
+        # (14.4 us against 16.5 for 8 rows); wider ones keep 8: the merged gate_up with silu in
+        # its epilogue at 16 rows cost the batch-1 decode 1.6% (420.5 tok/s against 427.4), the
+        # 14336-wide gate is the same either way, and the LM head (128256 x 4096) streams best
+        # at 8 rows (100.6 us against 123 for 16, ab_runs.txt 9). The tiles depend on the shape
+        # alone: the gated GEMV gives the plain one's bits followed by silu_and_mul's.
         if bits == 8:
             return GemvConfig(1, 4, 512)
-        return GemvConfig(1, 8 if n >= 65536 or gated else 16, 512, 1)
+        return GemvConfig(1, 8 if n > 8192 else 16, 512, 1)
     if m <= GEMV_FMA_MAX_M:
         return GemvConfig(1, 16, 512)
     # the tensor-core word kernel (GemvConfig(16, 64, 32, mma=True)) beat the tile kernel for int4
@@ -894,7 +896,7 @@ def wint_gemm_triton(
     w_fp8 = qweight.dtype == FP8_DTYPE
     gemv_ok = words is not None and (group >= k or group % (128 // bits) == 0)
     if config is None and m <= SMALL_M and gemv_ok:
-        config = _gemv_config(m, n, k, bits, gated)
+        config = _gemv_config(m, n, k, bits)
     if isinstance(config, GemvConfig) and gemv_ok:
         fuse = gated and not config.mma
         out = _gemv_launch(x, words, scales, zeros, bits, group, perm, smooth, w_fp8, config,
