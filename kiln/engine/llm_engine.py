@@ -70,6 +70,7 @@ class LLMEngine:
         if self.backend == "triton" and not config.enforce_eager:
             self.startup_seconds["capture_cuda_graphs"] = self.runner.capture_graphs(
                 config.scheduler.max_num_seqs, self.max_model_len)
+        self.runner.warm_up_sampling()  # kernels a request may need first: loaded now
         if config.scheduler.async_scheduling:
             warm_up(self.loaded.device)  # the chained steps' own device ops, loaded now
         log.info("start-up: %s", ", ".join(f"{k} {v:.1f} s"

@@ -61,6 +61,14 @@ class ModelRunner:
         self.kv_caches = list(zip(kv_cache.k_caches, kv_cache.v_caches, strict=True))
         self.graphs: StepGraphs | None = None
 
+    @torch.inference_mode()  # as in execute: the same ops
+    def warm_up_sampling(self) -> None:
+        """Run once what sampling runs besides the model: every path of the sampler (see
+        Sampler.warm_up) and the row gather of a step whose requests fork into n sequences."""
+        vocab_size = self.loaded.arch.vocab_size
+        self.sampler.warm_up(vocab_size, self.device)
+        _rows(torch.zeros(2, vocab_size, device=self.device), [1, 1, 0])
+
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Enable CUDA graphs (CUDA + Triton attention only); returns capture seconds."""
         self.graphs = StepGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len,
@@ -226,7 +234,7 @@ class ModelRunner:
             seqs += group
             requests += [item.request] * len(group)
         if index != list(range(logits.shape[0])):
-            logits = logits[upload(torch.tensor(index), self.device)]
+            logits = _rows(logits, index)
         meta = SamplingMetadata.build(
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
@@ -262,3 +270,8 @@ def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits first: the token is a plain argmax."""
     return (params.greedy and params.logprobs is None and not params.has_penalties
             and params.min_tokens == 0)
+
+
+def _rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``logits[index]``: a row per sampled sequence (a forking request's row n times)."""
+    return logits[upload(torch.tensor(index), logits.device)]

@@ -306,6 +306,33 @@ class Sampler:
 
     __call__ = sample
 
+    def warm_up(self, vocab_size: int, device: torch.device) -> None:
+        """Run every sampling path once on random logits: greedy and random rows together and
+        random rows alone; temperature, top-k, top-p, min-p; a seeded and a shared draw;
+        penalties, min_tokens and logprobs; prompt logprobs.
+
+        On CUDA the first launch of a kernel loads it (lazy module loading) and waits for the
+        device, and a Triton kernel compiles on its first call with new constants: at start-up
+        that costs nothing, in the first step of the first request that samples it stalls the
+        batch, in a chained step the GPU as well. The caller's random streams (the default
+        generators, which unseeded rows draw from) are left as they were."""
+        params = [
+            SamplingParams(temperature=0.0, logprobs=2),
+            SamplingParams(temperature=0.8, top_k=4, top_p=0.9, min_p=0.01, seed=0,
+                           presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                           min_tokens=2),
+            SamplingParams(temperature=1.0),
+        ]
+        device = torch.device(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for batch in (params, params[1:]):
+                generators = [generator_for(p.seed, 0, device) if p.seed is not None else None
+                              for p in batch]
+                meta = SamplingMetadata.build(batch, generators, [[1]] * len(batch),
+                                              [[2, 3]] * len(batch), device, eos_token_ids=[0])
+                self.sample(torch.randn(len(batch), vocab_size, device=device), meta)
+            compute_prompt_logprobs(torch.randn(2, vocab_size, device=device), [1, 2, 3], 2)
+
     @staticmethod
     def _sample_random(logits: Tensor, meta: SamplingMetadata) -> Tensor:
         if meta.temperature is not None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import random
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
 import kiln
 from kiln.engine.llm_engine import LLMEngine
 
@@ -28,3 +32,18 @@ def run_all(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
         engine.add_request(str(i), prompt, p)
     done = engine.run_to_completion()
     return {o.request_id: [c.token_ids for c in o.outputs] for o in done}
+
+
+class DeviceOps(TorchDispatchMode):
+    """Records each aten op run under it with the dtypes of its tensors: on CUDA each such
+    pair is a kernel (or a copy) of its own, loaded on its first launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[tuple[str, tuple[str, ...]]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        self.ops.add((str(func), tuple(sorted({str(t.dtype) for t in tensors}))))
+        return func(*args, **kwargs)

@@ -9,10 +9,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
-import torch
-from engine_helpers import make_engine
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from engine_helpers import DeviceOps, make_engine
 
 import kiln
 from kiln.engine import overlap
@@ -257,21 +254,6 @@ def test_a_request_admitted_next_reuses_the_prompt_blocks_in_flight(tiny_llama, 
     assert outputs[True] == outputs[False]
 
 
-class _DeviceOps(TorchDispatchMode):
-    """Records each aten op run under it with the dtypes of its tensors: on CUDA each such
-    pair is a kernel (or a copy) of its own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[tuple[str, tuple[str, ...]]] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        self.ops.add((str(func), tuple(sorted({str(t.dtype) for t in tensors}))))
-        return func(*args, **kwargs)
-
-
 def test_a_chained_step_runs_no_device_op_the_engine_did_not_run_at_start_up(tiny_llama,
                                                                              monkeypatch):
     """A chained step is launched while the step before it still runs. On CUDA the first
@@ -281,10 +263,10 @@ def test_a_chained_step_runs_no_device_op_the_engine_did_not_run_at_start_up(tin
     once. On the H100 the step where the first 16 requests of the 64 x 512/256 benchmark
     finished took 15 ms instead of 8 (GPU idle 6.8 ms): the process's first gather. So
     start-up runs each of them once."""
-    at_start_up = _DeviceOps()
+    at_start_up = DeviceOps()
     with at_start_up:
         engine = make_engine(tiny_llama, block_size=4, max_num_batched_tokens=48)
-    in_chain = _DeviceOps()
+    in_chain = DeviceOps()
     real = overlap.chain_step
 
     def logged(*args, **kwargs):

@@ -6,9 +6,10 @@ import random
 
 import pytest
 import torch
-from engine_helpers import make_engine, run_all
+from engine_helpers import DeviceOps, make_engine, run_all
 
 import kiln
+from kiln.engine import model_runner
 
 
 def test_prefix_cache_computes_only_new_tokens(tiny_llama):
@@ -162,3 +163,47 @@ def test_preempted_parallel_samples_resume_under_a_small_token_budget(tiny_llama
     roomy = make_engine(tiny_llama, max_num_batched_tokens=64, max_model_len=160)
     assert got == run_all(roomy, prompts, [params] * 3)
     assert small.kv.num_free_blocks == 24
+
+
+def test_sampling_runs_no_device_op_the_engine_did_not_run_at_start_up(tiny_llama, monkeypatch):
+    """The first request that samples (temperature, top-k / top-p / min-p, a seed, penalties,
+    min_tokens, logprobs, prompt logprobs, n > 1) launches kernels no greedy request does: on
+    CUDA each loads on its first launch and waits for the device (and a Triton kernel compiles
+    on its first call), stalling that step, and with async scheduling the GPU. Start-up runs
+    every sampling path once, so none of it is new after; it leaves the caller's random
+    stream where it was."""
+    at_start_up = DeviceOps()
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    with at_start_up:
+        engine = make_engine(tiny_llama)
+    assert torch.equal(torch.rand(4), expected)
+    sampling = DeviceOps()
+
+    def logged(real):
+        def run(*args, **kwargs):
+            with sampling:
+                return real(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(engine.runner, "_sample", logged(engine.runner._sample))
+    monkeypatch.setattr("kiln.engine.model_runner.compute_prompt_logprobs",
+                        logged(model_runner.compute_prompt_logprobs))
+    P = kiln.SamplingParams
+    params = [P(max_tokens=6, temperature=0.0, ignore_eos=True),
+              P(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=5),
+              P(max_tokens=7, temperature=1.2, ignore_eos=True),
+              P(max_tokens=5, temperature=0.7, top_p=0.8, ignore_eos=True),
+              P(max_tokens=9, temperature=0.0, logprobs=3, ignore_eos=True),
+              P(max_tokens=6, temperature=0.9, presence_penalty=0.5, frequency_penalty=0.2,
+                repetition_penalty=1.1, min_tokens=3),
+              P(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True),
+              P(max_tokens=5, n=2, temperature=0.9, ignore_eos=True)]
+    rng = random.Random(3)
+    for i, p in enumerate(params):
+        engine.add_request(str(i), [rng.randrange(3, 300) for _ in range(rng.randint(5, 60))], p)
+    engine.run_to_completion()
+    ran = {op for op, _ in sampling.ops}
+    assert {"aten.exponential_.default", "aten.topk.default", "aten.index.Tensor"} <= ran, ran
+    assert sampling.ops <= at_start_up.ops, sorted(sampling.ops - at_start_up.ops)
