@@ -99,10 +99,13 @@ class Attention(nn.Module):
 
 
 def contiguous_kv_caches(num_layers: int, num_seqs: int, max_len: int, num_kv_heads: int,
-                         head_dim: int, dtype: torch.dtype,
-                         device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One block of ``max_len`` slots per sequence: a contiguous cache in paged clothing."""
-    shape = (num_seqs, max_len, num_kv_heads, head_dim)
+                         head_dim: int, dtype: torch.dtype, device: torch.device,
+                         page_size: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One block of ``max_len`` slots per sequence: a contiguous cache in paged clothing; with
+    ``page_size``, each sequence's slots in consecutive blocks of that many (the engine's layout,
+    so the attention kernels specialized on it run)."""
+    page = page_size or max_len
+    shape = (num_seqs * -(-max_len // page), page, num_kv_heads, head_dim)
     return [(torch.empty(shape, dtype=dtype, device=device),
              torch.empty(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
 
@@ -114,19 +117,23 @@ def contiguous_metadata(start_lens: list[int], new_lens: list[int], max_len: int
     """Metadata for sequences whose KV sits in one row each of a contiguous cache.
 
     Sequence b lives in cache row ``rows[b]`` (default b), already holds ``start_lens[b]``
-    tokens and feeds ``new_lens[b]`` new ones.
+    tokens and feeds ``new_lens[b]`` new ones. A row is the cache's blocks
+    (``contiguous_kv_caches``: one, or max_len / page_size of them) of that sequence.
     """
     rows = list(range(len(start_lens))) if rows is None else rows
+    page = kv_caches[0][0].shape[1]
+    pages = -(-max_len // page)  # blocks per row
     slots, cu = [], [0]
     for row, start, new in zip(rows, start_lens, new_lens, strict=True):
-        slots.extend(range(row * max_len + start, row * max_len + start + new))
+        slots.extend(range(row * pages * page + start, row * pages * page + start + new))
         cu.append(cu[-1] + new)
     seq_lens = [s + n for s, n in zip(start_lens, new_lens, strict=True)]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(rows, dtype=torch.int32, device=device).unsqueeze(1),
+        block_tables=torch.tensor([[row * pages + i for i in range(pages)] for row in rows],
+                                  dtype=torch.int32, device=device),
         max_seqlen_q=max(new_lens),
         max_seqlen_k=max(seq_lens),
         kv_caches=kv_caches,

@@ -11,9 +11,11 @@ from kiln.layers.attention import Attention, contiguous_kv_caches, contiguous_me
 HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 4, 2, 32, 16
 
 
-def run_layer(backend: str, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def run_layer(backend: str, cache_dtype: torch.dtype,
+              page_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    caches = contiguous_kv_caches(1, 2, MAX_LEN, KV_HEADS, HEAD_DIM, cache_dtype, "cpu")
+    caches = contiguous_kv_caches(1, 2, MAX_LEN, KV_HEADS, HEAD_DIM, cache_dtype, "cpu",
+                                  page_size=page_size)
     for cache in caches[0]:  # sequence 0's 10 cached tokens (and noise elsewhere)
         cache.copy_(torch.randn(cache.shape, generator=gen).to(cache_dtype))
     # sequence 0 decodes its 11th token, sequence 1 prefills 5
@@ -33,7 +35,7 @@ def run_layer(backend: str, cache_dtype: torch.dtype) -> tuple[torch.Tensor, tor
     if cache_dtype == FP8_DTYPE:
         layer.k_scale, layer.v_scale = 0.05, 0.04
     out = layer(q, k, v, meta, positions, cos_sin)
-    return out, caches[0][0]
+    return out, caches[0][0].reshape(2, MAX_LEN, KV_HEADS, HEAD_DIM)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, FP8_DTYPE], ids=["f32", "fp8"])
@@ -44,3 +46,13 @@ def test_triton_backend_mixed_batch_matches_torch_backend(cache_dtype):
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     torch.testing.assert_close(k_cache.view(torch.uint8), ref_k_cache.view(torch.uint8),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_contiguous_cache_in_pages_of_the_engine_block_size_is_the_same_cache(backend):
+    """A row split into blocks of page_size slots (what start-up's memory probe uses, so that
+    the kernels the engine will run are compiled then) holds and attends the same values."""
+    out, k_cache = run_layer(backend, torch.float32, page_size=4)
+    ref_out, ref_k_cache = run_layer(backend, torch.float32)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(k_cache, ref_k_cache, rtol=0, atol=0)
