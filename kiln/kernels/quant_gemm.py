@@ -276,31 +276,10 @@ def _fma_word_plane(one, p, xs, xn, words, x_row, perm_ptr, smooth_ptr, cols, c_
         xw = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=c_mask[:, None], other=0.0)
         x0, x1 = tl.split(xw)
         x2, x3, x4, x5, x6, x7 = x0, x1, x0, x1, x0, x1  # unused
-    p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x0, perm_ptr, smooth_ptr, cols,
-                          c_mask, 0, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                          SHIFT3)  # fmt: skip
-    p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x1, perm_ptr, smooth_ptr, cols,
-                          c_mask, 1, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                          SHIFT3)  # fmt: skip
-    if BITS <= 8:
-        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x2, perm_ptr, smooth_ptr, cols,
-                              c_mask, 2, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                              SHIFT3)  # fmt: skip
-        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x3, perm_ptr, smooth_ptr, cols,
-                              c_mask, 3, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                              SHIFT3)  # fmt: skip
-    if BITS == 4:
-        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x4, perm_ptr, smooth_ptr, cols,
-                              c_mask, 4, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                              SHIFT3)  # fmt: skip
-        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x5, perm_ptr, smooth_ptr, cols,
-                              c_mask, 5, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                              SHIFT3)  # fmt: skip
-        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x6, perm_ptr, smooth_ptr, cols,
-                              c_mask, 6, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
-                              SHIFT3)  # fmt: skip
-        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x7, perm_ptr, smooth_ptr, cols,
-                              c_mask, 7, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
+    x_codes = (x0, x1, x2, x3, x4, x5, x6, x7)
+    for j in tl.static_range(32 // BITS):  # the word's codes, in order
+        p, xs, xn = _fma_code(one, p, xs, xn, words, x_row, x_codes[j], perm_ptr, smooth_ptr,
+                              cols, c_mask, j, BITS, W_FP8, HAS_PERM, HAS_SMOOTH, EVEN_K,
                               SHIFT3)  # fmt: skip
     return p, xs, xn
 
