@@ -16,3 +16,8 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def take_rows(tensor: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``tensor[index]`` on its device, ``index`` (host ints, repeats allowed) uploaded as above."""
+    return tensor[upload(torch.tensor(index, dtype=torch.int64), tensor.device)]

@@ -28,7 +28,7 @@ from kiln.sampling.sampler import (
     SamplingMetadata,
     compute_prompt_logprobs,
 )
-from kiln.upload import upload
+from kiln.upload import take_rows, upload
 
 
 @dataclass
@@ -67,7 +67,7 @@ class ModelRunner:
         Sampler.warm_up) and the row gather of a step whose requests fork into n sequences."""
         vocab_size = self.loaded.arch.vocab_size
         self.sampler.warm_up(vocab_size, self.device)
-        _rows(torch.zeros(2, vocab_size, device=self.device), [1, 1, 0])
+        take_rows(torch.zeros(2, vocab_size, device=self.device), [1, 1, 0])
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Enable CUDA graphs (CUDA + Triton attention only); returns capture seconds."""
@@ -156,8 +156,7 @@ class ModelRunner:
         if not sampling:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return StepResult([], [], empty, None, prompt_lps)
-        rows = upload(torch.tensor([row for _, row in sampling]), self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(take_rows(hidden, [row for _, row in sampling]))
         return self._sample(logits, [(item, i) for i, (item, _) in enumerate(sampling)],
                             prompt_lps)
 
@@ -234,7 +233,7 @@ class ModelRunner:
             seqs += group
             requests += [item.request] * len(group)
         if index != list(range(logits.shape[0])):
-            logits = _rows(logits, index)
+            logits = take_rows(logits, index)
         meta = SamplingMetadata.build(
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
@@ -266,12 +265,9 @@ class ModelRunner:
                 logits, ids, request.params.prompt_logprobs)))
         return results
 
+
 def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits first: the token is a plain argmax."""
     return (params.greedy and params.logprobs is None and not params.has_penalties
             and params.min_tokens == 0)
 
-
-def _rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """``logits[index]``: a row per sampled sequence (a forking request's row n times)."""
-    return logits[upload(torch.tensor(index), logits.device)]

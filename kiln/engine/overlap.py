@@ -41,7 +41,7 @@ from kiln.engine.model_runner import StepResult
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kiln.engine.sequence import Sequence
-from kiln.upload import upload
+from kiln.upload import take_rows, upload
 
 
 @dataclass
@@ -155,18 +155,13 @@ def chain_step(prev: InFlightStep, scheduler: Scheduler,
         return None
     ids = prev.result.token_ids
     if index != list(range(ids.shape[0])):
-        ids = _rows(ids, index)
+        ids = take_rows(ids, index)  # the sampled tokens of the sequences that go on
     if chunks:  # laid out as the runner orders rows: single-token rows first
         chunks.sort(key=lambda item: item.num_new_tokens != 1)
         prompt = [t for item in chunks
                   for t in item.seq.token_slice(item.start, item.start + item.num_new_tokens)]
         ids = _append(ids, prompt)
     return SchedulerOutput(scheduled=decodes + chunks, copies=kv.take_pending_copies()), ids
-
-
-def _rows(ids: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """``ids[index]`` on their device: the sampled tokens of the sequences that go on."""
-    return ids[upload(torch.tensor(index, dtype=torch.int64), ids.device)]
 
 
 def _append(ids: torch.Tensor, tokens: list[int]) -> torch.Tensor:
@@ -179,12 +174,12 @@ def warm_up(device: torch.device) -> None:
 
     A chained step is launched while the step before it still runs, and on CUDA the first
     launch of a kernel loads it (lazy module loading, PyTorch's default), which waits for the
-    device: the first gather of ``_rows`` (the first step after some sequences reached their
+    device: the first gather of ``take_rows`` (the first step after some sequences reached their
     length limit) then held that launch until the step in flight had finished, and the GPU sat
     idle (the step where the first 16 requests of the 64 x 512/256 benchmark finish: 15 ms
     instead of 8, 6.8 ms of it idle, on the H100; 7.6 ms with this warm-up).
     """
     ids = torch.zeros(2, dtype=torch.int64, device=device)  # sampled token ids are int64
-    _append(_rows(ids, [1]), [0])
+    _append(take_rows(ids, [1]), [0])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
