@@ -672,11 +672,11 @@ def _default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> 
 def _gemv_config(m: int, n: int, k: int, bits: int) -> GemvConfig | None:
     """Small-M choice (None: the tile kernel), from the H100 run in results/h100/quant_kernels.
 
-    M <= GEMV_FMA_MAX_M: the FMA kernel, [8 rows, 512 words] tiles (each thread 8 rows x 16
-    bytes; one x load serves 8 rows): 512 programs per row of x at N = 4096, enough for 132 SMs
-    without split-K. Rows of x are programs, so its cost grows with M: at M = 2 and 4 it still
-    beat the alternatives (4096 x 4096: W4 8.7 / 13.9 us vs 20.2 / 20.4 us tensor-core word
-    kernel; W8 9.7 / 16.3 us vs 18.1 / 18.3). Above: the tile kernel (see below). The
+    M <= GEMV_FMA_MAX_M: the FMA kernel, [8 or 16 rows, 512 words] tiles (each thread those rows
+    x 16 bytes; one x load serves them all): 256-512 programs per row of x at N = 4096, enough
+    for 132 SMs without split-K. Rows of x are programs, so its cost grows with M: at M = 2 and
+    4 it still beat the alternatives (4096 x 4096: W4 8.7 / 13.9 us vs 20.2 / 20.4 us
+    tensor-core word kernel; W8 9.7 / 16.3 us vs 18.1 / 18.3). Above: the tile kernel. The
     ``natural=True`` word-kernel variant has not run on a GPU yet: not a default.
     """
     if m <= 2:
