@@ -270,4 +270,3 @@ def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits first: the token is a plain argmax."""
     return (params.greedy and params.logprobs is None and not params.has_penalties
             and params.min_tokens == 0)
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -47,3 +48,10 @@ class DeviceOps(TorchDispatchMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         self.ops.add((str(func), tuple(sorted({str(t.dtype) for t in tensors}))))
         return func(*args, **kwargs)
+
+    def around(self, fn: Callable) -> Callable:
+        """``fn`` recording what it runs here."""
+        def recorded(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+        return recorded

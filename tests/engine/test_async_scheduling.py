@@ -267,13 +267,7 @@ def test_a_chained_step_runs_no_device_op_the_engine_did_not_run_at_start_up(tin
     with at_start_up:
         engine = make_engine(tiny_llama, block_size=4, max_num_batched_tokens=48)
     in_chain = DeviceOps()
-    real = overlap.chain_step
-
-    def logged(*args, **kwargs):
-        with in_chain:
-            return real(*args, **kwargs)
-
-    monkeypatch.setattr("kiln.engine.llm_engine.chain_step", logged)
+    monkeypatch.setattr("kiln.engine.llm_engine.chain_step", in_chain.around(overlap.chain_step))
     rng = random.Random(7)
     # lengths that stop in different steps (rows leave chained steps), and prompts the
     # 48-token budget cuts (chunks chained beside the decodes)

@@ -180,16 +180,9 @@ def test_sampling_runs_no_device_op_the_engine_did_not_run_at_start_up(tiny_llam
         engine = make_engine(tiny_llama)
     assert torch.equal(torch.rand(4), expected)
     sampling = DeviceOps()
-
-    def logged(real):
-        def run(*args, **kwargs):
-            with sampling:
-                return real(*args, **kwargs)
-        return run
-
-    monkeypatch.setattr(engine.runner, "_sample", logged(engine.runner._sample))
+    monkeypatch.setattr(engine.runner, "_sample", sampling.around(engine.runner._sample))
     monkeypatch.setattr("kiln.engine.model_runner.compute_prompt_logprobs",
-                        logged(model_runner.compute_prompt_logprobs))
+                        sampling.around(model_runner.compute_prompt_logprobs))
     P = kiln.SamplingParams
     params = [P(max_tokens=6, temperature=0.0, ignore_eos=True),
               P(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=5),
