@@ -243,8 +243,10 @@ class KVCacheManager:
             self._cpu_tables[seq_id] = cpu_table
         return list(gpu_to_cpu.items())
 
-    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
-        return self._num_swap_in_blocks(*self._plan_swap_in(seq_ids)) <= self.num_free_blocks
+    def can_swap_in(self, seq_ids: Iterable[Hashable], reserve: int = 0) -> bool:
+        """Whether the group fits with ``reserve`` blocks still free after it."""
+        needed = self._num_swap_in_blocks(*self._plan_swap_in(seq_ids))
+        return needed + reserve <= self.num_free_blocks
 
     def swap_in(self, seq_ids: Sequence[Hashable]) -> list[tuple[int, int]]:
         """Bring a swapped group back; returns (cpu_block, gpu_block) pairs to copy.

@@ -25,9 +25,9 @@ sequences that stop at step N are known only when it is applied: an admission th
 made room for waits a step.
 
 Everything else takes the synchronous path: a waiting request the chain cannot start (see
-``_admissible``), swapped requests, penalties and min_tokens (the sampler reads the outputs on
-the host), logprobs and prompt logprobs, the fork of n > 1 samples, and KV blocks running out
-(preemption).
+``_admissible``), a swapped request with room to come back, penalties and min_tokens (the
+sampler reads the outputs on the host), logprobs and prompt logprobs, the fork of n > 1
+samples, and KV blocks running out (preemption).
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def chain_step(prev: InFlightStep, scheduler: Scheduler,
     None when the scheduler has to decide the next step (see the module docstring).
     """
     config = scheduler.config
-    if scheduler.swapped or (scheduler.waiting and not _admissible(scheduler.waiting[0])
-                             and scheduler.num_running_seqs() < config.max_num_seqs):
+    if scheduler.can_swap_in_next() or (
+            not scheduler.swapped and scheduler.waiting and not _admissible(scheduler.waiting[0])
+            and scheduler.num_running_seqs() < config.max_num_seqs):
         return None  # the scheduler starts it: a chain would leave it waiting
     sampled = {id(seq) for seq in prev.result.seqs}
     rows = [(row, seq, request) for row, (seq, request)

@@ -56,12 +56,13 @@ def attention_backend_for(requested: str, device: torch.device, head_dim: int) -
 
 
 def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: int,
-                           backend: str, block_size: int) -> int:
+                           backend: str, block_size: int, kv_dtype: torch.dtype) -> int:
     """Run the largest prefill a step can hold and measure what it needed beyond the weights.
 
-    Its KV goes in blocks of the engine's ``block_size``, so the prefill attention compiles and
-    loads here the variant that the first long prompt would otherwise (on an H100 with an empty
-    Triton cache, a 12,000-token prompt's first step took 2.8 s instead of 0.2)."""
+    Its KV goes in blocks of the engine's ``block_size`` and ``kv_dtype``, so the prefill
+    attention compiles and loads here the variant that the first long prompt would otherwise (on
+    an H100 with an empty Triton cache, a 12,000-token prompt's first step took 2.8 s instead of
+    0.2; with an fp8 KV cache, 2.3 s instead of 0.19 while the probe's KV was bf16)."""
     model, arch, device = loaded.model, loaded.arch, loaded.device
     seq_len = min(num_tokens, max_model_len - 1)
     num_seqs = max(1, num_tokens // seq_len)
@@ -69,7 +70,7 @@ def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: 
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     caches = contiguous_kv_caches(arch.num_layers, num_seqs, seq_len, model.num_kv_heads,
-                                  arch.head_dim, loaded.dtype, device, page_size=block_size)
+                                  arch.head_dim, kv_dtype, device, page_size=block_size)
     meta = contiguous_metadata([0] * num_seqs, [seq_len] * num_seqs, seq_len, caches, device,
                                backend=backend)
     ids = torch.randint(0, arch.vocab_size, (num_seqs * seq_len,), device=device)
@@ -88,16 +89,16 @@ def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, max_model_len: 
                       backend: str) -> tuple[int, int]:
     """(GPU-or-CPU pool blocks, CPU swap blocks), failing clearly if one request cannot fit."""
     cc, arch = config.cache, loaded.arch
+    kv_dtype = kv_cache_torch_dtype(cc.kv_cache_dtype, loaded.dtype)
     per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, loaded.model.num_kv_heads,
-                                        arch.head_dim,
-                                        kv_cache_torch_dtype(cc.kv_cache_dtype, loaded.dtype))
+                                        arch.head_dim, kv_dtype)
     knob = "num_kv_blocks"
     if cc.num_kv_blocks is not None:
         num_blocks = cc.num_kv_blocks
     elif loaded.device.type == "cuda":
         knob = "gpu_memory_utilization"
         peak = _peak_activation_bytes(loaded, config.scheduler.max_num_batched_tokens,
-                                      max_model_len, backend, cc.block_size)
+                                      max_model_len, backend, cc.block_size, kv_dtype)
         free, total = torch.cuda.mem_get_info(loaded.device)
         budget = cc.gpu_memory_utilization * total - (total - free) - peak
         num_blocks = max(0, int(budget // per_block))

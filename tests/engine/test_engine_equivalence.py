@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from engine_helpers import make_engine, run_all
+from engine_helpers import make_engine, random_workload, run_all
+
+import kiln
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -31,4 +33,28 @@ def test_small_pool_preempts_and_still_matches(tiny_llama, reference_outputs, mo
     assert engine.stats.num_preemptions > 0
     assert (engine.scheduler.num_swap_outs > 0) == (mode == "swap")
     assert engine.kv.num_free_blocks == 40
+    engine.kv.check_integrity()
+
+
+def test_swapped_request_comes_back_with_room_to_run(tiny_llama, monkeypatch):
+    """A request swapped back in beside running ones leaves a free block for each of them, so
+    it is never preempted again before computing a token (its KV moved out and back for
+    nothing: without the reserve 10 of 57 swaps in a run like this one)."""
+    engine = make_engine(tiny_llama, num_kv_blocks=250, block_size=16, preemption_mode="swap",
+                         swap_space=0.05)
+    preempted = []  # (request id, tokens it had generated)
+    preempt = engine.scheduler._preempt
+
+    def record(request, out):
+        preempted.append((request.request_id, len(request.seqs[0].output_token_ids)))
+        preempt(request, out)
+
+    monkeypatch.setattr(engine.scheduler, "_preempt", record)
+    prompts, _ = random_workload(32, seed=5, max_prompt=100)
+    params = [kiln.SamplingParams(max_tokens=250, temperature=0.0, ignore_eos=True)] * 32
+    run_all(engine, [p + [7] * (100 - len(p)) for p in prompts], params)
+    assert engine.scheduler.num_swap_outs > 0
+    again = [p for i, p in enumerate(preempted) if p in preempted[:i]]
+    assert not again, f"swapped in and out again without computing a token: {again}"
+    assert engine.kv.num_free_blocks == 250
     engine.kv.check_integrity()
