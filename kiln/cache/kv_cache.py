@@ -42,6 +42,9 @@ class KVCache:
         cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
         self.kv_cpu = torch.empty(cpu_shape, dtype=dtype, device="cpu")
         self._pin = self.device.type == "cuda"
+        # block moves copy bits: through same-width integer views, as index_copy_ has no
+        # float8 kernels (an fp8 cache's copy-on-write and swaps raised NotImplementedError)
+        self._kv_bits, self._kv_cpu_bits = _bits(self.kv), _bits(self.kv_cpu)
         self.k_caches = [self.kv[layer, 0] for layer in range(num_layers)]
         self.v_caches = [self.kv[layer, 1] for layer in range(num_layers)]
 
@@ -73,7 +76,7 @@ class KVCache:
         src, dst = self._indices(pairs, self.device)
         # index_select materialises all sources before index_copy_ writes, so a dst that is
         # also another pair's src still reads its old content.
-        self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
+        self._kv_bits.index_copy_(2, dst, self._kv_bits.index_select(2, src))
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """GPU block -> CPU block for each (gpu_block, cpu_block) pair, all layers."""
@@ -84,8 +87,8 @@ class KVCache:
         staging = self._staging(len(pairs))
         # Blocking device->host copy: the CPU blocks must hold the data before the GPU blocks
         # they came from are reused by the next forward pass.
-        staging.copy_(self.kv.index_select(2, gpu_idx))
-        self.kv_cpu.index_copy_(2, cpu_idx, staging)
+        staging.copy_(self._kv_bits.index_select(2, gpu_idx))
+        self._kv_cpu_bits.index_copy_(2, cpu_idx, staging)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """CPU block -> GPU block for each (cpu_block, gpu_block) pair, all layers."""
@@ -93,15 +96,16 @@ class KVCache:
             return
         cpu_idx, _ = self._indices(pairs, "cpu")
         _, gpu_idx = self._indices(pairs, self.device)
-        staging = torch.index_select(self.kv_cpu, 2, cpu_idx, out=self._staging(len(pairs)))
+        staging = torch.index_select(self._kv_cpu_bits, 2, cpu_idx,
+                                     out=self._staging(len(pairs)))
         # Async from pinned memory is safe: the scatter is queued on the same stream, and the
         # caching host allocator keeps staging alive until the copy has finished.
-        self.kv.index_copy_(2, gpu_idx, staging.to(self.device, non_blocking=self._pin))
+        self._kv_bits.index_copy_(2, gpu_idx, staging.to(self.device, non_blocking=self._pin))
 
     def _staging(self, num_blocks: int) -> torch.Tensor:
         shape = list(self.kv_cpu.shape)
         shape[2] = num_blocks
-        return torch.empty(shape, dtype=self.kv_cpu.dtype, pin_memory=self._pin)
+        return torch.empty(shape, dtype=self._kv_cpu_bits.dtype, pin_memory=self._pin)
 
     @staticmethod
     def _indices(
@@ -109,3 +113,8 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.tensor(pairs, dtype=torch.long, device=device)  # [num_pairs, 2]
         return idx[:, 0], idx[:, 1]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the integer dtype of its element width."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])

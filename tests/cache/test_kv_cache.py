@@ -40,8 +40,8 @@ def test_bytes_per_block_and_budget():
     assert KVCache.bytes_per_block(1, 1, 1, 1, torch.float32) == 8
 
 
-def check_copy_blocks(device: str) -> None:
-    cache = make(device)
+def check_copy_blocks(device: str, dtype: torch.dtype = torch.float32) -> None:
+    cache = make(device, dtype)
     before = cache.kv.clone()
     # Block 1 is both a destination and another pair's source: it must give its old data.
     cache.copy_blocks([(1, 4), (0, 1), (0, 5)])
@@ -52,8 +52,8 @@ def check_copy_blocks(device: str) -> None:
     torch.testing.assert_close(cache.kv, expected, rtol=0, atol=0)
 
 
-def check_swap_round_trip(device: str) -> None:
-    cache = make(device)
+def check_swap_round_trip(device: str, dtype: torch.dtype = torch.float32) -> None:
+    cache = make(device, dtype)
     gpu_before, cpu_before = cache.kv.clone(), cache.kv_cpu.clone()
     cache.swap_out([(5, 0), (2, 3)])
     cpu_expected = cpu_before.clone()
@@ -69,12 +69,14 @@ def check_swap_round_trip(device: str) -> None:
     torch.testing.assert_close(cache.kv, expected, rtol=0, atol=0)
 
 
-def test_copy_blocks_cpu():
-    check_copy_blocks("cpu")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_copy_blocks_cpu(dtype):
+    check_copy_blocks("cpu", dtype)
 
 
-def test_swap_round_trip_cpu():
-    check_swap_round_trip("cpu")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_swap_round_trip_cpu(dtype):
+    check_swap_round_trip("cpu", dtype)
 
 
 def test_empty_pairs_are_noops():
@@ -89,8 +91,9 @@ def test_empty_pairs_are_noops():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_copy_and_swap_cuda():
-    check_copy_blocks("cuda")
-    check_swap_round_trip("cuda")
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        check_copy_blocks("cuda", dtype)
+        check_swap_round_trip("cuda", dtype)
     cache = make("cuda", torch.bfloat16)
     before = cache.kv.clone()
     cache.swap_out([(0, 2)])

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import DeviceOps, make_engine, run_all
+from engine_helpers import DeviceOps, make_engine, random_workload, run_all
 
 import kiln
 from kiln.engine import model_runner
@@ -200,3 +200,20 @@ def test_sampling_runs_no_device_op_the_engine_did_not_run_at_start_up(tiny_llam
     ran = {op for op, _ in sampling.ops}
     assert {"aten.exponential_.default", "aten.topk.default", "aten.index.Tensor"} <= ran, ran
     assert sampling.ops <= at_start_up.ops, sorted(sampling.ops - at_start_up.ops)
+
+
+def test_fp8_kv_cache_blocks_fork_and_swap_bit_for_bit():
+    """Swaps and copy-on-write (n = 2 sharing a prompt that ends inside a block) move an fp8
+    cache's bits (index_copy_ has no float8 kernels: both raised NotImplementedError)."""
+    prompts, params = random_workload(6, seed=3, max_prompt=60, max_out=40, vocab=8000)
+    options = {"kv_cache_dtype": "fp8", "block_size": 16}
+    roomy = run_all(make_engine("kiln-tiny", num_kv_blocks=64, **options), prompts, params)
+    tight = make_engine("kiln-tiny", num_kv_blocks=12, max_model_len=160, preemption_mode="swap",
+                        swap_space=0.01, **options)
+    assert run_all(tight, prompts, params) == roomy
+    assert tight.scheduler.num_swap_outs > 0
+    prompt = [15, 27, 300, 41, 9, 77, 102, 5, 11, 12]
+    one, two = (kiln.SamplingParams(n=n, max_tokens=12, temperature=0.0, ignore_eos=True)
+                for n in (1, 2))
+    got = run_all(make_engine("kiln-tiny", num_kv_blocks=64, **options), [prompt] * 2, [one, two])
+    assert got["1"] == got["0"] * 2
