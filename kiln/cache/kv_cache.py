@@ -6,9 +6,12 @@ every layer at once, whatever the number of blocks moved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 
 import torch
+
+STAGING_BYTES = 256 * 2**20  # the two swap staging buffers together
 
 
 class KVCache:
@@ -28,6 +31,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         num_cpu_blocks: int = 0,
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -36,15 +40,23 @@ class KVCache:
         # [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.kv = torch.empty(shape, dtype=dtype, device=self.device)
-        # Swap space stays pageable: transfers gather the moved blocks into a small pinned
-        # staging tensor (below), which is what the DMA engine touches, so pinning gigabytes
-        # of swap space would buy nothing.
         cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
         self.kv_cpu = torch.empty(cpu_shape, dtype=dtype, device="cpu")
-        self._pin = self.device.type == "cuda"
         # block moves copy bits: through same-width integer views, as index_copy_ has no
         # float8 kernels (an fp8 cache's copy-on-write and swaps raised NotImplementedError)
         self._kv_bits, self._kv_cpu_bits = _bits(self.kv), _bits(self.kv_cpu)
+        # Swap space stays pageable: swaps go through two staging buffers of ``_chunk`` blocks
+        # (pinned on CUDA: what the DMA engine touches), a chunk at a time, so that the host's
+        # gather or scatter of one chunk runs while the other is in flight. They are allocated
+        # here, once: pinned at first use as big as that swap, they stalled its step.
+        self._pin = self.device.type == "cuda"
+        per_block = self.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        self._chunk = min(num_cpu_blocks, max(1, staging_bytes // 2 // per_block))
+        self._staging = [torch.empty(self._chunk * per_block // self.kv.element_size(),
+                                     dtype=self._kv_bits.dtype, pin_memory=self._pin)
+                         for _ in range(2 if num_cpu_blocks else 0)]
+        # per staging buffer, the last transfer that used it (CUDA)
+        self._staged = [torch.cuda.Event() if self._pin else None for _ in self._staging]
         self.k_caches = [self.kv[layer, 0] for layer in range(num_layers)]
         self.v_caches = [self.kv[layer, 1] for layer in range(num_layers)]
 
@@ -79,33 +91,59 @@ class KVCache:
         self._kv_bits.index_copy_(2, dst, self._kv_bits.index_select(2, src))
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """GPU block -> CPU block for each (gpu_block, cpu_block) pair, all layers."""
+        """GPU block -> CPU block for each (gpu_block, cpu_block) pair, all layers.
+
+        Returns once the CPU blocks hold the data (a swap-in may read them next); the GPU blocks
+        may be reused at once: their gathers are queued before anything that writes them."""
         if not pairs:
             return
         gpu_idx, _ = self._indices(pairs, self.device)
         _, cpu_idx = self._indices(pairs, "cpu")
-        staging = self._staging(len(pairs))
-        # Blocking device->host copy: the CPU blocks must hold the data before the GPU blocks
-        # they came from are reused by the next forward pass.
-        staging.copy_(self._kv_bits.index_select(2, gpu_idx))
-        self._kv_cpu_bits.index_copy_(2, cpu_idx, staging)
+        chunks = list(self._chunks(gpu_idx, cpu_idx))
+        for i, (src, _) in enumerate(chunks):
+            self._stage(i, len(src)).copy_(self._kv_bits.index_select(2, src),
+                                           non_blocking=self._pin)
+            self._mark(i)
+            if i:  # scatter the chunk before while this one moves
+                self._scatter_to_cpu(i - 1, chunks[i - 1][1])
+        self._scatter_to_cpu(len(chunks) - 1, chunks[-1][1])
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """CPU block -> GPU block for each (cpu_block, gpu_block) pair, all layers."""
+        """CPU block -> GPU block for each (cpu_block, gpu_block) pair, all layers; returns with
+        the copies queued on the current stream."""
         if not pairs:
             return
         cpu_idx, _ = self._indices(pairs, "cpu")
         _, gpu_idx = self._indices(pairs, self.device)
-        staging = torch.index_select(self._kv_cpu_bits, 2, cpu_idx,
-                                     out=self._staging(len(pairs)))
-        # Async from pinned memory is safe: the scatter is queued on the same stream, and the
-        # caching host allocator keeps staging alive until the copy has finished.
-        self._kv_bits.index_copy_(2, gpu_idx, staging.to(self.device, non_blocking=self._pin))
+        for i, (src, dst) in enumerate(self._chunks(cpu_idx, gpu_idx)):
+            staging = torch.index_select(self._kv_cpu_bits, 2, src,
+                                         out=self._stage(i, len(src)))
+            self._kv_bits.index_copy_(2, dst, staging.to(self.device, non_blocking=self._pin))
+            self._mark(i)  # the buffer is free again once the scatter has run
 
-    def _staging(self, num_blocks: int) -> torch.Tensor:
+    def _chunks(self, src: torch.Tensor,
+                dst: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, len(src), self._chunk):
+            yield src[start:start + self._chunk], dst[start:start + self._chunk]
+
+    def _stage(self, i: int, num_blocks: int) -> torch.Tensor:
+        """Chunk i's staging buffer as [num_layers, 2, num_blocks, ...], once the transfer that
+        used it last has finished."""
+        event = self._staged[i % 2]
+        if event is not None:
+            event.synchronize()
         shape = list(self.kv_cpu.shape)
         shape[2] = num_blocks
-        return torch.empty(shape, dtype=self._kv_cpu_bits.dtype, pin_memory=self._pin)
+        return self._staging[i % 2][:math.prod(shape)].view(shape)
+
+    def _mark(self, i: int) -> None:
+        """Chunk i's transfer is queued: its buffer is busy until the stream gets here."""
+        event = self._staged[i % 2]
+        if event is not None:
+            event.record()
+
+    def _scatter_to_cpu(self, i: int, dst: torch.Tensor) -> None:
+        self._kv_cpu_bits.index_copy_(2, dst, self._stage(i, len(dst)))
 
     @staticmethod
     def _indices(

@@ -6,7 +6,9 @@ import torch
 from kiln.cache import KVCache
 
 
-def make(device: str = "cpu", dtype: torch.dtype = torch.float32) -> KVCache:
+def make(device: str = "cpu", dtype: torch.dtype = torch.float32,
+         staging_blocks: int = 4) -> KVCache:
+    """staging_blocks: blocks a swap moves per chunk (its staging buffers hold 2 x that)."""
     cache = KVCache(
         num_layers=3,
         num_blocks=6,
@@ -16,6 +18,7 @@ def make(device: str = "cpu", dtype: torch.dtype = torch.float32) -> KVCache:
         dtype=dtype,
         device=device,
         num_cpu_blocks=4,
+        staging_bytes=2 * staging_blocks * KVCache.bytes_per_block(3, 4, 2, 5, dtype),
     )
     g = torch.Generator().manual_seed(0)
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=g).to(dtype))
@@ -52,8 +55,9 @@ def check_copy_blocks(device: str, dtype: torch.dtype = torch.float32) -> None:
     torch.testing.assert_close(cache.kv, expected, rtol=0, atol=0)
 
 
-def check_swap_round_trip(device: str, dtype: torch.dtype = torch.float32) -> None:
-    cache = make(device, dtype)
+def check_swap_round_trip(device: str, dtype: torch.dtype = torch.float32,
+                          staging_blocks: int = 4) -> None:
+    cache = make(device, dtype, staging_blocks)
     gpu_before, cpu_before = cache.kv.clone(), cache.kv_cpu.clone()
     cache.swap_out([(5, 0), (2, 3)])
     cpu_expected = cpu_before.clone()
@@ -75,8 +79,11 @@ def test_copy_blocks_cpu(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_swap_round_trip_cpu(dtype):
-    check_swap_round_trip("cpu", dtype)
+@pytest.mark.parametrize("staging_blocks", [1, 2, 4])
+def test_swap_round_trip_cpu(dtype, staging_blocks):
+    """Staging chunks of one block, of two (the last one short) and of all: the two staging
+    buffers take turns."""
+    check_swap_round_trip("cpu", dtype, staging_blocks)
 
 
 def test_empty_pairs_are_noops():
@@ -93,7 +100,8 @@ def test_empty_pairs_are_noops():
 def test_copy_and_swap_cuda():
     for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
         check_copy_blocks("cuda", dtype)
-        check_swap_round_trip("cuda", dtype)
+        for staging_blocks in (1, 2, 4):
+            check_swap_round_trip("cuda", dtype, staging_blocks)
     cache = make("cuda", torch.bfloat16)
     before = cache.kv.clone()
     cache.swap_out([(0, 2)])
