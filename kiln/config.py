@@ -76,7 +76,7 @@ class CacheConfig:
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    swap_space: float = 4.0  # GB of pinned CPU memory for swapped-out requests
+    swap_space: float = 4.0  # GB of CPU memory for swapped-out requests
     cpu_kv_cache_space: float = 2.0  # GB for the KV pool when running on CPU
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # fixes the pool size (tests, small devices)
