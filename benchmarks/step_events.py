@@ -1,13 +1,15 @@
 """Step times around preemptions and long prompts, and Triton variants compiled after start-up.
 
-    PYTHONPATH=. python3 benchmarks/step_events.py swap|recompute|fp8kv [--model DIR]
+    PYTHONPATH=. python3 benchmarks/step_events.py swap|recompute|fp8kv [--stagger] [--model DIR]
 
 swap / recompute: 16 requests that fit, then three rounds of 32 requests (301 prompt, 400 output
 tokens) over a pool of 700 blocks, so the newest are preempted as the others grow and come back
-as the first finish. fp8kv (an fp8 KV cache): a round of 16 short requests, then two rounds
-beside a 12,000-token prompt (chunked by the token budget). Every engine step is timed between
-device synchronizations; a first-use stall shows as a step of the first round far slower than
-the same step of the next ones. Dummy weights of the Llama-3.1-8B architecture by default.
+as the first finish (``--stagger``: prompts of 201-400 tokens, so that the requests cross block
+boundaries at different steps rather than all at once). fp8kv (an fp8 KV cache): a round of 16
+short requests, then two rounds beside a 12,000-token prompt (chunked by the token budget). Every
+engine step is timed between device synchronizations; a first-use stall shows as a step of the
+first round far slower than the same step of the next ones. Dummy weights of the Llama-3.1-8B
+architecture by default.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=["swap", "recompute", "fp8kv"])
     parser.add_argument("--model", default="benchmarks/workloads/llama-3.1-8b")
+    parser.add_argument("--stagger", action="store_true",
+                        help="swap / recompute: prompt lengths drawn from 201-400 tokens")
     args = parser.parse_args()
     rng = random.Random(0)
 
@@ -93,7 +97,8 @@ def main() -> None:
     else:
         run_round(llm, "warm (no preemption)", [(prompt(301), 48) for _ in range(16)])
         for name in ("first", "second", "third"):
-            run_round(llm, f"{name} preempting round", [(prompt(301), 400) for _ in range(32)])
+            lengths = [rng.randint(201, 400) if args.stagger else 301 for _ in range(32)]
+            run_round(llm, f"{name} preempting round", [(prompt(n), 400) for n in lengths])
 
 
 if __name__ == "__main__":
