@@ -12,8 +12,9 @@ A swapped request comes back only with a block left free for each running sequen
 what the next decode crossing a block boundary preempts again before it computed a token, its
 KV copied out and back for nothing (on an H100, 32 requests of an 8B model over 700 blocks: 87
 swaps in three rounds without the reserve, 53 with it, rounds 7.5% shorter;
-benchmarks/results/h100/swap_reserve_ab.txt). Readmission after a recompute preemption keeps no reserve: it computes at least the
-token its prefill samples, and the same reserve there cost more steps than the prefills it saved.
+benchmarks/results/h100/swap_reserve_ab.txt). Readmission after a recompute preemption keeps
+no reserve: it computes at least the token its prefill samples, and the same reserve there cost
+more steps than the prefills it saved (CPU runs).
 """
 
 from __future__ import annotations
