@@ -12,7 +12,7 @@ import pytest
 from engine_helpers import DeviceOps, make_engine
 
 import kiln
-from kiln.engine import overlap
+from kiln.engine import llm_engine, overlap
 from kiln.engine.scheduler import SchedulerOutput
 
 
@@ -103,6 +103,29 @@ def test_async_scheduling_changes_no_output(tiny_llama, chained, options):
     overlapped = _outputs(make_engine(tiny_llama, **options), prompts, params)
     _assert_same(overlapped, sync)
     assert chained
+
+
+def test_steps_chain_beside_a_swapped_request_without_room(tiny_llama, chained, monkeypatch):
+    """A swapped request that has no room to come back yet does not send every step through
+    the scheduler: steps go on chaining beside it, with the outputs of synchronous steps."""
+    options = {"num_kv_blocks": 40, "block_size": 4, "max_model_len": 160,
+               "preemption_mode": "swap", "swap_space": 0.01}
+    prompts, params = _mixed_workload(seed=3)
+    sync = _outputs(make_engine(tiny_llama, async_scheduling=False, **options), prompts, params)
+    beside_swapped = []
+    spy = llm_engine.chain_step
+
+    def record(prev, scheduler, kv):
+        result = spy(prev, scheduler, kv)
+        if result is not None and scheduler.swapped:
+            beside_swapped.append(len(scheduler.swapped))
+        return result
+
+    monkeypatch.setattr(llm_engine, "chain_step", record)
+    engine = make_engine(tiny_llama, **options)
+    _assert_same(_outputs(engine, prompts, params), sync)
+    assert engine.scheduler.num_swap_outs > 0
+    assert beside_swapped
 
 
 def test_stop_found_late_drops_the_extra_token(tiny_llama, chained):
