@@ -23,7 +23,11 @@ import torch.nn.functional as F
 
 from kiln.kernels._triton import use_triton
 from kiln.kernels.attention_decode import paged_attention_decode_triton
-from kiln.kernels.attention_prefill import HEAD_DIMS, paged_attention_prefill_triton
+from kiln.kernels.attention_prefill import (
+    HEAD_DIMS,
+    attention_output,
+    paged_attention_prefill_triton,
+)
 
 _warned_head_dims: set[int] = set()
 
@@ -38,12 +42,13 @@ def paged_attention_ref(
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per sequence: gather its pages, then SDPA in float32 with the offset causal mask."""
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = attention_output(q, out)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     for b, kv_len in enumerate(lens):
@@ -82,19 +87,21 @@ def paged_attention(
     scale: float,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of q [T, H, D] over the paged caches -> out [T, H, D].
 
     k_new / v_new [T, H_kv, D] (optional) are this step's keys and values, rows aligned with q,
     the same values the caches hold for the new tokens: the prefill kernel then reads them
-    directly (contiguous rows, TMA) rather than gathering them back from the pages."""
+    directly (contiguous rows, TMA) rather than gathering them back from the pages. ``out``
+    (optional): where to write, e.g. the caller's slice of a larger output."""
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, max_seqlen_k)
     head_dim = q.shape[-1]
     if use_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables):
         if head_dim in HEAD_DIMS:
             if max_seqlen_q == 1:
-                return paged_attention_decode_triton(*args, scale)
-            return paged_attention_prefill_triton(*args, scale, k_new, v_new)
+                return paged_attention_decode_triton(*args, scale, out=out)
+            return paged_attention_prefill_triton(*args, scale, k_new, v_new, out=out)
         if head_dim not in _warned_head_dims:
             _warned_head_dims.add(head_dim)
             warnings.warn(
@@ -102,4 +109,4 @@ def paged_attention(
                 f"(have {list(HEAD_DIMS)}); using the PyTorch reference",
                 stacklevel=2,
             )
-    return paged_attention_ref(*args, scale)
+    return paged_attention_ref(*args, scale, out)

@@ -34,6 +34,7 @@ from kiln.kernels.attention_prefill import (
     _dot,
     _kv_tile_ptrs,
     _tile_softmax,
+    attention_output,
     check_attention_args,
 )
 
@@ -219,8 +220,10 @@ def paged_attention_decode_triton(
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
     min_partition_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch decode (+ reduction); every sequence has at most one query token.
+    """Launch decode (+ reduction); every sequence has at most one query token. ``out``: see
+    attention_output.
 
     num_splits and config = (BLOCK_N, num_warps, num_stages) override decode_launch_config's
     choice, and min_partition_len the one-tile floor of the partition length (tests and
@@ -232,7 +235,7 @@ def paged_attention_decode_triton(
     )
     assert max_seqlen_q <= 1, "decode kernel takes one query token per sequence"
     assert head_dim in (64, 128), f"head_dim {head_dim} not in [64, 128]"
-    out = torch.empty_like(q)
+    out = attention_output(q, out)
     if q.shape[0] == 0 or num_seqs == 0 or max_seqlen_k == 0:
         return out
     launch = decode_launch_config(num_seqs, num_kv_heads, max_seqlen_k, num_sms(q.device))

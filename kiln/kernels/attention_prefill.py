@@ -261,6 +261,17 @@ def check_attention_args(
     return num_seqs, num_heads, num_kv_heads, head_dim
 
 
+def attention_output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where attention writes its [T, H, D] result: ``out`` (checked: q's shape and dtype, rows
+    contiguous; the caller's slice of a larger output saves a copy) or a new tensor."""
+    if out is None:
+        return torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype, (
+        f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}")
+    assert out.stride(-1) == 1 and out.stride(1) == q.shape[2], "out rows must be contiguous"
+    return out
+
+
 def _tma_rows(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
     """A TMA descriptor over [T, heads, D] rows (one row of heads * D elements a token), loading
     [block_rows, D] tiles. TMA wants a 16-byte aligned base and row stride: a view that has
@@ -284,10 +295,11 @@ def paged_attention_prefill_triton(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the prefill kernel. With k_new / v_new ([T, H_kv, D], q's dtype, rows aligned with
     q) the chunk's own keys come from them instead of the cache. `config` = (BLOCK_M, BLOCK_N,
-    num_warps, num_stages) overrides prefill_config's choice."""
+    num_warps, num_stages) overrides prefill_config's choice; `out` (see attention_output)."""
     num_seqs, num_heads, num_kv_heads, head_dim = check_attention_args(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
     )
@@ -300,7 +312,7 @@ def paged_attention_prefill_triton(
     block_m, block_n, num_warps, num_stages = config or prefill_config(
         head_dim, max_seqlen_q, q.dtype, new_kv)
     assert block_m % block_n == 0, "query blocks must start on a key tile"
-    out = torch.empty_like(q)
+    out = attention_output(q, out)
     if q.shape[0] == 0 or num_seqs == 0:
         return out
     k_desc = _tma_rows(k_new, block_n) if new_kv else None

@@ -86,13 +86,13 @@ class Attention(nn.Module):
         else:
             nd, pre = meta.num_decode_seqs, meta.prefill
             pre_kv = (k_new[nd:], v_new[nd:]) if new_kv else (None, None)
-            out = torch.empty_like(q)
-            out[:nd] = paged_attention(q[:nd], k_cache, v_cache, meta.cu_seqlens_q[: nd + 1],
-                                       meta.seq_lens[:nd], meta.block_tables[:nd], 1,
-                                       meta.max_seqlen_k, scale)
-            out[nd:] = paged_attention(q[nd:], k_cache, v_cache, pre.cu_seqlens_q, pre.seq_lens,
-                                       pre.block_tables, pre.max_seqlen_q, pre.max_seqlen_k,
-                                       scale, *pre_kv)
+            out = torch.empty_like(q)  # each part writes its rows in place: no copy after
+            paged_attention(q[:nd], k_cache, v_cache, meta.cu_seqlens_q[: nd + 1],
+                            meta.seq_lens[:nd], meta.block_tables[:nd], 1, meta.max_seqlen_k,
+                            scale, out=out[:nd])
+            paged_attention(q[nd:], k_cache, v_cache, pre.cu_seqlens_q, pre.seq_lens,
+                            pre.block_tables, pre.max_seqlen_q, pre.max_seqlen_k, scale,
+                            *pre_kv, out=out[nd:])
         if fp8:
             out = out * out_scale
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

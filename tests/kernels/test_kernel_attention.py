@@ -127,6 +127,36 @@ def test_decode_triton_fp32_default_tiles():
     run_case(fn, [1, 1], [1, 300], 8, 1, head_dim=64, block_size=16, dtype=torch.float32, seed=4)
 
 
+def into_slice(fn):
+    """fn writing through ``out=`` into rows 3.. of a larger buffer (a mixed step's prefill
+    part): returns that view, after checking the rows around it kept their sentinel."""
+    def run(q, *args, **kwargs):
+        buffer = torch.full((q.shape[0] + 5, *q.shape[1:]), 7.0, dtype=q.dtype, device=q.device)
+        out = fn(q, *args, **kwargs, out=buffer[3:-2])
+        assert out.data_ptr() == buffer[3].data_ptr()
+        assert (buffer[:3] == 7.0).all() and (buffer[-2:] == 7.0).all()
+        return out
+    return run
+
+
+@pytest.mark.parametrize("kernel", [
+    "reference",
+    pytest.param("prefill", marks=needs_triton),
+    pytest.param("decode", marks=needs_triton),
+    pytest.param("decode-split", marks=needs_triton),
+])
+def test_out_writes_in_place(kernel):
+    """``out=`` (the attention layer's slices of one output, instead of a copy per part)."""
+    fn = {"reference": paged_attention_ref,
+          "prefill": lambda *a, **k: paged_attention_prefill_triton(*a, **k, config=(16, 16, 4, 1)),
+          "decode": lambda *a, **k: paged_attention_decode_triton(*a, **k, num_splits=1,
+                                                                   config=(16, 4, 1)),
+          "decode-split": lambda *a, **k: paged_attention_decode_triton(*a, **k, num_splits=3,
+                                                                         config=(16, 4, 1))}[kernel]
+    lens = DECODE if kernel.startswith("decode") else MIXED
+    run_case(into_slice(fn), *lens, 8, 2, head_dim=64, block_size=16, dtype=torch.float16, seed=6)
+
+
 def test_wrapper_on_cpu_is_reference():
     run_case(paged_attention, *MIXED, 4, 2, head_dim=32, block_size=8, dtype=torch.float32)
 
