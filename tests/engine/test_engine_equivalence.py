@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from engine_helpers import make_engine, random_workload, run_all
+from engine_helpers import make_engine, run_all
 
 import kiln
 
@@ -50,9 +52,10 @@ def test_swapped_request_comes_back_with_room_to_run(tiny_llama, monkeypatch):
         preempt(request, out)
 
     monkeypatch.setattr(engine.scheduler, "_preempt", record)
-    prompts, _ = random_workload(32, seed=5, max_prompt=100)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(100)] for _ in range(32)]
     params = [kiln.SamplingParams(max_tokens=250, temperature=0.0, ignore_eos=True)] * 32
-    run_all(engine, [p + [7] * (100 - len(p)) for p in prompts], params)
+    run_all(engine, prompts, params)
     assert engine.scheduler.num_swap_outs > 0
     again = [p for i, p in enumerate(preempted) if p in preempted[:i]]
     assert not again, f"swapped in and out again without computing a token: {again}"
