@@ -57,12 +57,13 @@ class MmaTiles:
 @triton.jit
 def _code_pairs(shifted, ASM: tl.constexpr, dtype: tl.constexpr):
     """shifted [..., 4] (a word >> 4 i) -> [..., 4, 2] in dtype: (u_i - 8, u_(i+4) - 8)."""
-    if ASM and dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise(_DECODE_BF16, "=r,r,r", [tl.join(shifted, shifted)],
-                                         dtype=dtype, is_pure=True, pack=2)
-    if ASM:
-        return tl.inline_asm_elementwise(_DECODE_F16, "=r,r,r", [tl.join(shifted, shifted)],
-                                         dtype=dtype, is_pure=True, pack=2)
+    if ASM:  # nested ifs: each folds at compile time, so one branch's type is all there is
+        if dtype == tl.bfloat16:  # (inline asm takes literal dtypes, not a constexpr one)
+            return tl.inline_asm_elementwise(_DECODE_BF16, "=r,r,r", [tl.join(shifted, shifted)],
+                                             dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(_DECODE_F16, "=r,r,r", [tl.join(shifted, shifted)],
+                                             dtype=tl.float16, is_pure=True, pack=2)
     # the interpreter runs no PTX: the same values with integer ops
     lo = (shifted & 0xF) - 8
     hi = ((shifted >> 16) & 0xF) - 8
