@@ -19,9 +19,9 @@ launches must not overlap in time on different streams of one device (with PDL, 
 next kernel touches the counters only after its wait, when this kernel has finished).
 
 Against the CUDA-core kernels of quant_gemm (H100, Llama-3.1-8B shapes, bf16, g128,
-benchmarks/results/h100/int4_mma.txt): at M = 16, 81 us per layer (qkv + o + gate_up + down)
-against 238 for the tile kernel it replaces and 168 for bf16 cuBLAS; at M = 64, 112 against 328
-and 171. At M = 1 the FMA GEMV stays 1.7-2x faster, so it keeps M <= 2.
+benchmarks/results/h100/int4_mma.txt): qkv + o + gate_up + down take 84 us at M = 16 against
+240 for the tile kernel this replaced and 166 for bf16 cuBLAS; 112 at M = 64 against 329 and
+169. At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2.
 """
 
 from __future__ import annotations
