@@ -282,6 +282,25 @@ SWEEPS = {
         4: [G(1, 8, 512), G(16, 64, 32, mma=True, natural=True)],
     },
 }
+Mt = qg.MmaTiles
+# the tensor-core weight-only GEMM (kiln/kernels/wint_mma.py) of decode batches, and past its
+# MMA_MAX_M (where the dispatch dequantizes and calls cuBLAS): split 0 is the default rule's
+SWEEPS["mma"] = {
+    4: [Mt(64, 0, 16), Mt(64, 0, 16, k_step=64), Mt(64, 0, 16, k_step=256), Mt(128, 0, 16),
+        Mt(64, 0, 16, scale_codes=True)],
+    16: [Mt(64, 0, 16), Mt(64, 0, 16, k_step=64), Mt(64, 0, 16, k_step=256), Mt(128, 0, 16),
+         Mt(64, 0, 16, num_stages=4), Mt(64, 0, 16, scale_codes=True)],
+    32: [Mt(64, 0, 32), Mt(64, 0, 32, k_step=64), Mt(64, 0, 32, k_step=256), Mt(128, 0, 32),
+         Mt(64, 0, 32, scale_codes=True)],
+    64: [Mt(128, 0, 64), Mt(128, 0, 64, num_warps=8), Mt(128, 0, 64, k_step=64),
+         Mt(64, 0, 64), Mt(64, 0, 64, k_step=64), Mt(128, 0, 64, scale_codes=True),
+         Mt(128, 0, 64, num_warps=8, scale_codes=True)],
+    128: [Mt(64, 0, 128, k_step=64), Mt(128, 0, 128, num_warps=8, k_step=64),
+          Mt(128, 0, 128, num_warps=8, k_step=64, scale_codes=True),
+          Mt(64, 0, 128, k_step=64, scale_codes=True), Mt(256, 0, 128, num_warps=8, k_step=64)],
+    256: [Mt(128, 0, 256, num_warps=8, k_step=64), Mt(64, 0, 256, k_step=64),
+          Mt(128, 0, 256, num_warps=8, k_step=64, scale_codes=True)],
+}
 SWEEPS["full"] = {**SWEEPS["small"], 1: SWEEPS["small"][1] + [
     G(1, 32, 256), G(1, 8, 1024, num_warps=8), G(1, 16, 512, num_warps=8),
     G(1, 16, 512, split_k=2)]}
@@ -295,6 +314,7 @@ SWEEP_SHAPES = {
              4: [(4096, 4096)]},
 }
 SWEEP_SHAPES["full"] = SWEEP_SHAPES["small"]
+SWEEP_SHAPES["mma"] = {m: [(n, k) for n, k, _ in SHAPES if n != 14336] for m in SWEEPS["mma"]}
 # batch-1 decode only, every layer shape of Llama-3.1-8B plus its LM head (W8A16 in every
 # weight-only format)
 SWEEPS["decode1"] = {1: SWEEPS["full"][1] + [
@@ -308,7 +328,8 @@ def sweep(results: list[dict], name: str, budget: float) -> None:
     grid, formats = SWEEPS[name], {}
     for m in grid:
         shapes = [(n, k) for n, k, _ in SHAPES[:1]] if SMOKE else SWEEP_SHAPES[name][m]
-        kinds = ("w4", "w8", "fp8_wo", "w16") if name == "decode1" else ("w4", "w8", "fp8_wo")
+        kinds = {"decode1": ("w4", "w8", "fp8_wo", "w16"), "mma": ("w8", "w4")}.get(
+            name, ("w4", "w8", "fp8_wo"))
         for (n, k), kind in itertools.product(shapes, kinds):
             if kind == "fp8_wo" and (m not in (1, 16) or k != 4096):
                 continue
@@ -323,22 +344,30 @@ def sweep(results: list[dict], name: str, budget: float) -> None:
 
 def sweep_one(results: list[dict], configs: list, f: Formats, kind: str, n: int, k: int,
               m: int):
-    # w16: the dense bf16 weight through the same GEMV (qg.dense_gemv), cuBLAS as the baseline
-    args = (f.bf16,) if kind == "w16" else getattr(f, kind)
-    wbytes = Formats.nbytes(*args)
+    """Check and time the default (None) and each candidate config on one shape. Baselines
+    alongside ("cublas", never the best pick unless the candidates include dense_gemv): bf16
+    cuBLAS for w16 (dense_gemv's configs) and for MmaTiles candidates, whose "default" is the
+    dispatching wrapper (wint_linear: dequantize + cuBLAS past MMA_MAX_M rows)."""
+    qargs = (f.bf16,) if kind == "w16" else getattr(f, kind)
+    mma = any(isinstance(c, qg.MmaTiles) for c in configs)
     x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
-    w64 = f.bf16.double() if kind == "w16" else qg.wint_dequant_ref(*args, torch.float64).double()
-    ref = x.double() @ w64.t()
+    w64 = f.bf16.double() if kind == "w16" else qg.wint_dequant_ref(*qargs, torch.float64).double()
+    ref, ref_bf16 = x.double() @ w64.t(), x.double() @ f.bf16.double().t()
     best = None
-    for cfg in ["cublas", None, *configs] if kind == "w16" else [None, *configs]:
-        if kind != "w16":
-            make = lambda a, c=cfg: lambda: qg.wint_gemm_triton(x, *a, config=c)
-        elif cfg == "cublas":
+    for cfg in ["cublas", None, *configs] if kind == "w16" or mma else [None, *configs]:
+        args, expected = qargs, ref
+        if cfg == "cublas":
+            args, expected = (f.bf16,), ref_bf16
             make = lambda a: lambda: torch.matmul(x, a[0].t())
-        else:
+        elif kind == "w16":
             make = lambda a, c=cfg: lambda: qg.dense_gemv(x, a[0], config=c)
+        elif mma and cfg is None:
+            make = lambda a: lambda: qg.wint_linear(x, *a)
+        else:
+            make = lambda a, c=cfg: lambda: qg.wint_gemm_triton(x, *a, config=c)
+        wbytes = Formats.nbytes(*args)
         try:
-            err = rel_err(make(args)(), ref)  # every candidate is checked before it is timed
+            err = rel_err(make(args)(), expected)  # every candidate is checked before it is timed
             us = time_graph_us(rotating(args, make), wbytes)
         except Exception as exc:  # out of shared memory / registers: not a candidate
             results.append(dict(kind=kind, n=n, k=k, m=m, config=repr(cfg), error=repr(exc)[:200]))
@@ -347,7 +376,8 @@ def sweep_one(results: list[dict], configs: list, f: Formats, kind: str, n: int,
         name = "default" if cfg is None else cfg if isinstance(cfg, str) else repr(cfg)
         results.append(dict(kind=kind, n=n, k=k, m=m, config=name, us=us, gb_s=gbps,
                             rel_err=err, ok=err < 1e-2))
-        if err < 1e-2 and (best is None or us < best[0]):
+        pickable = not (mma and cfg == "cublas")
+        if pickable and err < 1e-2 and (best is None or us < best[0]):
             best = (us, name, round(gbps))
     return best
 
@@ -366,18 +396,23 @@ def table(report: dict) -> None:
         print(f"{n}x{k}, {m}".ljust(18) + "".join(c.rjust(24) for c in cells))
     if report["sweep"]:
         print("\nsweep: best small-M config per (format, shape, M) vs the default")
-        best = {}
+        best = {}  # (default, best candidate, bf16 cuBLAS) per key
         for r in report["sweep"]:
             if "us" in r and r["ok"]:
                 key = (r["kind"], r["n"], r["k"], r["m"])
+                row = best.setdefault(key, [None, None, None])
+                if r["config"] == "cublas":
+                    row[2] = r
                 if r["config"] == "default":
-                    best.setdefault(key, [None, None])[0] = r
-                elif best.setdefault(key, [None, None])[1] is None or r["us"] < best[key][1]["us"]:
-                    best[key][1] = r
-        for (kind, n, k, m), (d, b) in best.items():
+                    row[0] = r
+                elif (r["config"] != "cublas" or r["kind"] == "w16") and (
+                        row[1] is None or r["us"] < row[1]["us"]):
+                    row[1] = r
+        for (kind, n, k, m), (d, b, c) in best.items():
             dd = f"{d['us']:7.1f} us {d['gb_s']:5.0f} GB/s" if d else "-"
             bb = f"{b['us']:7.1f} us {b['gb_s']:5.0f} GB/s {b['config']}" if b else "-"
-            print(f"  {kind:7s} {n}x{k} m={m:<3d} default {dd} | best {bb}")
+            cc = f" | bf16 cuBLAS {c['us']:.1f} us" if c else ""
+            print(f"  {kind:7s} {n}x{k} m={m:<3d} default {dd}{cc} | best {bb}")
     bad = [c for c in report["checks"] + report["sweep"] if "ok" in c and not c["ok"]]
     n_checks = len(report["checks"])
     print(f"\nchecks: {n_checks - len([c for c in report['checks'] if not c['ok']])}/{n_checks}"
@@ -414,7 +449,7 @@ SMOKE_HELP = "check this script on CPU: TRITON_INTERPRET=1, tiny shapes, no CUDA
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--sweep", choices=["none", "small", "next", "full", "decode1"],
+    parser.add_argument("--sweep", choices=["none", "small", "next", "full", "decode1", "mma"],
                         default="small")
     parser.add_argument("--pytest", action="store_true", help="also run pytest -m gpu on quant")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds before the sweep stops")
@@ -437,7 +472,7 @@ def main() -> None:
         DTYPE = torch.float16  # the interpreter computes bf16 wrongly (shared/GPU.md)
         for grid in SWEEPS.values():
             for m in list(grid):
-                grid[m] = [c for c in grid[m] if isinstance(c, qg.GemvConfig)][:2]
+                grid[m] = [c for c in grid[m] if isinstance(c, (qg.GemvConfig, qg.MmaTiles))][:2]
     elif not torch.cuda.is_available():
         sys.exit("gpu_quant.py needs a CUDA GPU (or --smoke)")
     device = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()

@@ -14,9 +14,9 @@ GEMV_FMA_MAX_M rows, a tensor-core variant for int4 up to SMALL_M, see _gemv_con
 FUSED_MAX_M rows a tensor-core tile kernel; above, one dequantization kernel into a dense
 weight followed by cuBLAS (the same math, ``W`` rounded to x.dtype). The stored layout is
 kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): no kernel needs a repacked weight.
-Symmetric group-wise int4 without act-order at 16-bit x and 3-64 rows skips all three for
-kiln/kernels/int4_mma.py (codes decoded straight into tensor-core operands: 2-3x faster than the
-tile kernel there, and faster than bf16 cuBLAS), unless the caller forces a config.
+Symmetric int4 and 8-bit integer codes without act-order at 16-bit x and 3-64 rows skip all
+three for kiln/kernels/wint_mma.py (codes decoded straight into tensor-core operands: 2-3x faster
+than the tile kernel there, and faster than bf16 cuBLAS), unless the caller forces a config.
 ``gated=True`` (Llama's merged gate/up projection) returns silu(gate) * up instead of y: the
 CUDA-core GEMV computes it in its epilogue, every other path runs silu_and_mul after. The bias
 goes in the word-streaming kernels' epilogue where K is not split, else it is added after.
@@ -40,7 +40,7 @@ from kiln.kernels._triton import (
     wait_for_inputs,
 )
 from kiln.kernels.activation import silu_and_mul, silu_mul
-from kiln.kernels.int4_mma import int4_mma_applies, int4_mma_gemm
+from kiln.kernels.wint_mma import MmaTiles, wint_mma_applies, wint_mma_gemm
 
 FP8_DTYPE = torch.float8_e4m3fn
 # above this many rows dequantize-then-cuBLAS beats the fused tile kernel (benchmarks/gpu_quant.py;
@@ -854,7 +854,7 @@ def wint_gemm_triton(
     group_size: int,
     perm: torch.Tensor | None = None,
     smooth: torch.Tensor | None = None,
-    config: GemmConfig | GemvConfig | None = None,
+    config: GemmConfig | GemvConfig | MmaTiles | None = None,
     out_dtype: torch.dtype | None = None,
     gated: bool = False,
     bias: torch.Tensor | None = None,
@@ -862,8 +862,9 @@ def wint_gemm_triton(
     """Fused path: x [M, K] (contiguous rows) -> x W^T + b [M, N] in ``out_dtype`` (x.dtype by
     default).
 
-    M <= SMALL_M (or a GemvConfig): the word-streaming kernels; else (or a GemmConfig) the
-    tensor-core tile kernel. gated: silu(gate) * up [M, N / 2] of a merged [gate; up] weight,
+    Where wint_mma applies (or given MmaTiles): kiln/kernels/wint_mma.py; else M <= SMALL_M (or
+    a GemvConfig): the word-streaming kernels; else (or a GemmConfig) the tensor-core tile
+    kernel. gated: silu(gate) * up [M, N / 2] of a merged [gate; up] weight,
     in the CUDA-core GEMV's epilogue where that kernel runs, else by silu_and_mul after. The
     bias goes in that epilogue too, else it is added after the GEMM (before any silu_and_mul).
     """
@@ -877,8 +878,9 @@ def wint_gemm_triton(
         return torch.empty(0, n // 2 if gated else n, device=x.device, dtype=out_dtype or x.dtype)
     words = _words(qweight, bits)
     w_fp8 = qweight.dtype == FP8_DTYPE
-    if config is None and int4_mma_applies(x, zeros, perm, bits, group, w_fp8):
-        out = int4_mma_gemm(x, qweight, scales, group, smooth, out_dtype)
+    if isinstance(config, MmaTiles) or (config is None and words is not None
+                                        and wint_mma_applies(x, zeros, perm, bits, group, w_fp8)):
+        out = wint_mma_gemm(x, words, scales, bits, group, smooth, out_dtype, config)
         if bias is not None:
             out += bias
         return silu_and_mul(out) if gated else out

@@ -1,0 +1,256 @@
+"""Tensor-core weight-only GEMM for decode batches (3..MMA_MAX_M rows): symmetric int4 codes
+(group-wise or per channel) and symmetric 8-bit codes (W8A16, per channel).
+
+    y[m, n] = sum_k xs[m, k] (u[n, k] - 2^(b - 1)) s[n, k // G],   xs[m, k] = x[m, k] smooth[k]
+
+Codes are kiln/quant's packing read as int32 words: int4 puts code k at bits 4 (k % 8) of word
+k // 8 ([N, K / 8]); 8-bit codes are uint8 [N, K], viewed as [N, K / 4] (code k at bits
+8 (k % 4)). A word shifted right by b i holds codes i and i + H (H = 16 / b) at bits 0 and 16,
+and a lop3 puts each in the mantissa of one half of a bf16 pair with the exponent of 128 (1024
+for fp16); one packed FMA then subtracts the offset, exactly:
+  int4:  t = 128 + u,                          u - 8   = t - 136
+  8-bit: t = 128 + (u & 127), c = -256 or -128 (u's top bit, a second lop3), u - 128 = t + c
+(bf16 holds 8 significant bits, so 128 + u itself would not be exact for 8-bit codes). The
+decoded [BLOCK_N, K step] tile goes through tl.dot against x, whose columns are permuted the
+same way (a reduction does not care about order). Group-wise scales multiply each group's
+float32 result before it joins the accumulator (one group a K step); per-channel scales
+multiply the accumulator once at the end.
+
+K is split over ``split`` programs per tile of rows, so that every SM has work when N alone
+gives too few tiles; the last program of a tile to finish adds the float32 partials in split
+order (the same bits whatever the arrival order) and writes the output, then resets the tile's
+arrival counter for the next launch. The counters are one zeroed int32 buffer per device,
+allocated on first use (which must not be inside a CUDA graph capture: run once eagerly). Two
+launches must not overlap in time on different streams of one device (with PDL, one stream's
+next kernel touches the counters only after its wait, when this kernel has finished).
+
+Against the CUDA-core kernels of quant_gemm (H100, Llama-3.1-8B shapes, bf16, g128,
+benchmarks/results/h100/int4_mma.txt): int4 qkv + o + gate_up + down take 84 us at M = 16
+against 240 for the tile kernel this replaced and 166 for bf16 cuBLAS; 112 at M = 64 against
+329 and 169. At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.kernels._triton import num_sms, pdl, tl, triton, wait_for_inputs
+
+MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
+MMA_MAX_M = 64  # above: dequantize + cuBLAS; at M = 128 this kernel lost to bf16 by 1.6-2x
+_COUNTER_CAPACITY = 1 << 16  # row tiles per launch
+_GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
+
+# per asm instance: the shifted word in $1 ($2 is the same register), the pair out in $0
+_DECODE4_BF16 = tl.constexpr(
+    "{ .reg .b32 t, one, off; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; "
+    "lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 $0, t, one, off; }")
+_DECODE4_F16 = tl.constexpr(
+    "{ .reg .b32 t, one, off; mov.b32 one, 0x3C003C00; mov.b32 off, 0xE408E408; "
+    "lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; fma.rn.f16x2 $0, t, one, off; }")
+# 0xEA: (a & b) | c; 0x6A: (a & b) ^ c (the top bit set turns -256 / -1152 into -128 / -1024)
+_DECODE8_BF16 = tl.constexpr(
+    "{ .reg .b32 t, c, one; mov.b32 one, 0x3F803F80; "
+    "lop3.b32 t, $1, 0x007F007F, 0x43004300, 0xEA; lop3.b32 c, $1, 0x00800080, 0xC380C380, 0x6A; "
+    "fma.rn.bf16x2 $0, t, one, c; }")
+_DECODE8_F16 = tl.constexpr(
+    "{ .reg .b32 t, c, one; mov.b32 one, 0x3C003C00; "
+    "lop3.b32 t, $1, 0x007F007F, 0x64006400, 0xEA; lop3.b32 c, $1, 0x00800080, 0xE480E480, 0x6A; "
+    "fma.rn.f16x2 $0, t, one, c; }")
+
+
+@dataclass(frozen=True)
+class MmaTiles:
+    block_n: int  # rows of W per program (the dot's M: 64 or 128)
+    split: int  # programs sharing a tile's K; 0: as many as _split picks
+    block_m: int  # rows of x, padded to a power of two >= 16
+    num_warps: int = 4
+    num_stages: int = 3
+    k_step: int = 128  # codes of K per step with per-channel scales (group-wise: the group)
+    # group-wise: scale the decoded codes (W rounded to x's dtype, as the dequantized reference
+    # rounds it) rather than each group's float32 dot result: no second accumulator
+    scale_codes: bool = False
+
+
+@triton.jit
+def _code_pairs(shifted, BITS: tl.constexpr, ASM: tl.constexpr, dtype: tl.constexpr):
+    """shifted [..., H] (a word >> BITS i) -> [..., H, 2] in dtype: the codes i and i + H of the
+    word, less 2^(BITS - 1)."""
+    if ASM:  # nested ifs: each folds at compile time, so one branch's type is all there is
+        pair = tl.join(shifted, shifted)  # (inline asm takes literal dtypes, not a constexpr one)
+        if dtype == tl.bfloat16:
+            if BITS == 4:
+                return tl.inline_asm_elementwise(_DECODE4_BF16, "=r,r,r", [pair],
+                                                 dtype=tl.bfloat16, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise(_DECODE8_BF16, "=r,r,r", [pair],
+                                                 dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            if BITS == 4:
+                return tl.inline_asm_elementwise(_DECODE4_F16, "=r,r,r", [pair],
+                                                 dtype=tl.float16, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise(_DECODE8_F16, "=r,r,r", [pair],
+                                                 dtype=tl.float16, is_pure=True, pack=2)
+    # the interpreter runs no PTX: the same values with integer ops
+    mask: tl.constexpr = (1 << BITS) - 1
+    zero: tl.constexpr = 1 << (BITS - 1)
+    lo = (shifted & mask) - zero
+    hi = ((shifted >> 16) & mask) - zero
+    return tl.join(lo, hi).to(tl.float32).to(dtype)
+
+
+@triton.jit
+def _wint_mma_kernel(
+    x_ptr, w_ptr, s_ptr, smooth_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, KW, kw_per_split, stride_xm, stride_wn, stride_sn, stride_om,
+    BITS: tl.constexpr, STEP_W: tl.constexpr, GROUPED: tl.constexpr, SCALE_CODES: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """out^T [BLOCK_N, BLOCK_M] of one row tile over 1/SPLIT of K, STEP_W words a row per step:
+    acc += W_codes [BLOCK_N, BK] @ x^T [BK, BLOCK_M], times the step's scale group if GROUPED
+    (SCALE_CODES: W_codes times it, rounded to x's dtype, before the dot), else the row's scale
+    at the end."""
+    CPW: tl.constexpr = 32 // BITS  # codes per word
+    H: tl.constexpr = CPW // 2
+    BK: tl.constexpr = STEP_W * CPW
+    dt = x_ptr.dtype.element_ty
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # clamped, not masked: unpredicated loads
+    offs_w = tl.arange(0, STEP_W)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    shifts = tl.arange(0, H) * BITS
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    kw_begin = pid_k * kw_per_split
+    wait_for_inputs(USE_PDL)
+    for kw0 in range(kw_begin, tl.minimum(kw_begin + kw_per_split, KW), STEP_W):
+        words = tl.load(w_rows + (kw0 + offs_w)[None, :])  # [BLOCK_N, STEP_W]
+        w = _code_pairs(words[:, :, None] >> shifts[None, None, :], BITS, ASM, dt)
+        w = tl.reshape(w, [BLOCK_N, BK])  # column CPW c + 2 i + h holds code CPW c + i + H h
+        k = kw0 * CPW + tl.arange(0, BK)
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BK]
+        if HAS_SMOOTH:  # AWQ: x * smooth, rounded to x's dtype as in the reference
+            x = (x.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[None, :]).to(dt)
+        x = tl.permute(tl.reshape(x, [BLOCK_M, STEP_W, 2, H]), (0, 1, 3, 2))  # the codes' order
+        xt = tl.trans(tl.reshape(x, [BLOCK_M, BK]))
+        if GROUPED:
+            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)
+            if SCALE_CODES:
+                acc = tl.dot((w * s[:, None]).to(dt), xt, acc)
+            else:
+                acc += tl.dot(w, xt) * s.to(tl.float32)[:, None]
+        else:
+            acc = tl.dot(w, xt, acc)
+    if not GROUPED:
+        acc = acc * tl.load(s_ptr + rows * stride_sn).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    out_mask = (offs_n < N)[:, None] & m_mask[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+        tile_parts = part_ptr + pid_n * (SPLIT * BLOCK_N * BLOCK_M)
+        tl.store(tile_parts + pid_k * (BLOCK_N * BLOCK_M) + local, acc)
+        tl.debug_barrier()  # every thread's partial stored before the arrival is counted
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the last program of the tile: sum the splits in order
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for j in tl.static_range(SPLIT):
+                total += tl.load(tile_parts + j * (BLOCK_N * BLOCK_M) + local,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the tensor-core weight-only GEMM allocates its split-K counters on first use, "
+                "which cannot happen inside a CUDA graph capture: run the model once eagerly "
+                "before capturing")
+        _counters[key] = torch.zeros(_COUNTER_CAPACITY, device=device, dtype=torch.int32)
+    return _counters[key]
+
+
+def _per_channel_step(k: int) -> int | None:
+    """Codes of K per step with per-channel scales: the widest of 128, 64, 32 dividing K."""
+    return next((step for step in (128, 64, 32) if k % step == 0), None)
+
+
+def wint_mma_applies(x: torch.Tensor, zeros: torch.Tensor | None, perm: torch.Tensor | None,
+                     bits: int, group: int, w_fp8: bool) -> bool:
+    """Whether this kernel takes x [M, K] @ W^T for W's format (quant_gemm's arguments, its
+    words viewable as int32): symmetric int4 or 8-bit integer codes, group-wise (32, 64 or 128
+    dividing K) or per channel (K a multiple of 32), no act-order permutation, 16-bit x,
+    MMA_MIN_M <= M <= MMA_MAX_M."""
+    m, k = x.shape
+    grouping = group in _GROUPS and k % group == 0 or group >= k and _per_channel_step(k)
+    return (bits in (4, 8) and not w_fp8 and zeros is None and perm is None and bool(grouping)
+            and x.dtype in (torch.bfloat16, torch.float16) and MMA_MIN_M <= m <= MMA_MAX_M)
+
+
+def wint_mma_tiles(m: int, k: int, group: int) -> MmaTiles:
+    """From the H100 sweep (results/h100/int4_mma.txt): 64-row tiles up to M = 32, 128 above
+    (fewer programs re-reading the larger x tile), K split by _split."""
+    block_m = max(16, 1 << (m - 1).bit_length())
+    k_step = group if group < k else _per_channel_step(k)
+    return MmaTiles(64 if m <= 32 else 128, 0, block_m, k_step=k_step)
+
+
+def _split(tiles: MmaTiles, row_tiles: int, steps: int, device: torch.device) -> int:
+    """K split until the programs cover twice the SMs (once above 32 rows of x), keeping at
+    least two steps a split."""
+    target = (2 if tiles.block_m <= 32 else 1) * num_sms(device)
+    split = 1
+    while row_tiles * split < target and steps // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
+def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,
+                  group: int, smooth: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None,
+                  tiles: MmaTiles | None = None) -> torch.Tensor:
+    """x [M, K] (contiguous rows, 16-bit) @ dequantized W^T -> [M, N] in ``out_dtype``; W's
+    codes as int32 words [N, K bits / 32], scales [N, K / group] (group >= K: per channel)."""
+    m, k = x.shape
+    n, kw = words.shape
+    cpw = 32 // bits
+    grouped = group < k
+    assert words.dtype == torch.int32 and kw * cpw == k
+    assert x.stride(1) == 1 and words.stride(1) == 1 and scales.stride(1) == 1
+    assert scales.shape == (n, k // group if grouped else 1)
+    tiles = tiles or wint_mma_tiles(m, k, group)
+    k_step = group if grouped else tiles.k_step
+    assert tiles.block_m >= m and k % k_step == 0 and k_step % cpw == 0
+    row_tiles = triton.cdiv(n, tiles.block_n)
+    assert row_tiles <= _COUNTER_CAPACITY, f"{n} rows: more tiles than the split-K counters"
+    step_w = k_step // cpw
+    split = tiles.split or _split(tiles, row_tiles, k // k_step, x.device)
+    steps_per_split = -(-(kw // step_w) // split)
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    parts = (torch.empty(row_tiles * split * tiles.block_n * tiles.block_m,
+                         device=x.device, dtype=torch.float32) if split > 1 else out)
+    counters = _arrival_counters(x.device) if split > 1 else out
+    _wint_mma_kernel[(row_tiles, split)](
+        x, words, scales, smooth if smooth is not None else scales, out, parts, counters,
+        m, n, kw, steps_per_split * step_w, x.stride(0), words.stride(0), scales.stride(0),
+        out.stride(0), BITS=bits, STEP_W=step_w, GROUPED=grouped,
+        SCALE_CODES=grouped and tiles.scale_codes,
+        HAS_SMOOTH=smooth is not None, SPLIT=split, ASM=x.is_cuda,
+        BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x.device),
+    )  # fmt: skip
+    return out

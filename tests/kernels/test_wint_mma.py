@@ -1,0 +1,134 @@
+"""Tensor-core weight-only GEMM for decode batches (kiln/kernels/wint_mma.py), int4 and 8-bit
+codes: Triton (interpreted on CPU in fp16; compiled with its PTX decode on the GPU) against
+float64 math on the dequantized weight, the split-K reduction, the arrival counters, and its
+dispatch from quant_gemm."""
+
+import importlib
+import sys
+
+import pytest
+import torch
+from kernel_testing import assert_rel_close, gpu, needs_triton
+
+if not torch.cuda.is_available():  # built for a GPU if imported before the conftest: rebuild
+    for _name in ("kiln.kernels.wint_mma", "kiln.kernels.quant_gemm"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
+
+from test_quant_gemm import make_weight, naive  # noqa: E402
+
+from kiln.kernels import quant_gemm as qg  # noqa: E402
+from kiln.kernels import wint_mma as mma  # noqa: E402
+
+
+def _check(n, k, bits, group, m, dtype, device, tiles=None, smooth=False, seed=0, tol=3e-3):
+    gen = torch.Generator().manual_seed(seed)
+    qweight, scales, _, w64 = make_weight(n, k, bits, group, True, gen=gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    sm = (torch.rand(k, generator=gen) + 0.5).to(dtype) if smooth else None
+    expected = naive(x, w64, smooth=sm)
+    words = qg._words(qweight, bits)
+    args = [t.to(device) if t is not None else None for t in (x, words, scales.to(dtype), sm)]
+    out = mma.wint_mma_gemm(args[0], args[1], args[2], bits, k if group == -1 else group,
+                            args[3], tiles=tiles)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_rel_close(out.cpu(), expected, tol, f"W{bits} {n}x{k} g{group} m={m} {tiles}")
+    return out, args
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("bits, n, k, group, m", [
+    (4, 80, 256, 64, 3), (4, 64, 512, 128, 17), (4, 33, 128, 32, 5), (4, 40, 256, -1, 4),
+    (8, 80, 256, -1, 3), (8, 33, 512, -1, 17),
+])  # fmt: skip
+def test_wint_mma_matches_float64(bits, n, k, group, m, split):
+    """Row counts that are not a multiple of the 64-row tile (masked stores), K split into
+    ranges of whole steps (groups, or 128 codes with per-channel scales), x rows padded to the
+    dot's 16/32; 8-bit codes cover all 256 values, the top bit included."""
+    block_m = max(16, 1 << (m - 1).bit_length())
+    _check(n, k, bits, group, m, torch.float16, "cpu", mma.MmaTiles(64, split, block_m))
+
+
+@needs_triton
+@pytest.mark.parametrize("bits, group", [(4, 64), (8, -1)])
+def test_wint_mma_smooth(bits, group):
+    _check(64, 256, bits, group, 4, torch.float16, "cpu", mma.MmaTiles(64, 2, 16), smooth=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [0, 2])
+def test_wint_mma_scale_codes(split):
+    """Group scales applied to the decoded codes (rounded like the reference's W), K split by
+    the default rule (0) or in two."""
+    _check(72, 512, 4, 128, 9, torch.float16, "cpu", mma.MmaTiles(64, split, 16, scale_codes=True))
+
+
+@needs_triton
+def test_wint_mma_per_channel_k_step():
+    """Per-channel scales at a K that 128 does not divide: 32-code steps, split over them."""
+    assert mma.wint_mma_tiles(4, 96, 96).k_step == 32
+    _check(48, 96, 8, -1, 5, torch.float16, "cpu", mma.MmaTiles(64, 3, 16, k_step=32))
+
+
+@needs_triton
+def test_wint_mma_split_sum_is_repeatable_and_counters_reset():
+    """The last program of a tile adds the partials in split order and zeroes the tile's
+    counter: a second launch (the counters reused) gives the same bits."""
+    tiles = mma.MmaTiles(64, 4, 16)
+    first, args = _check(130, 512, 4, 64, 6, torch.float16, "cpu", tiles)
+    again = mma.wint_mma_gemm(args[0], args[1], args[2], 4, 64, tiles=tiles)
+    assert torch.equal(first, again)
+    assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
+
+
+def test_wint_mma_applies_only_to_its_formats():
+    x = torch.zeros(8, 256, dtype=torch.bfloat16)
+    zeros = torch.zeros(4, 2, dtype=torch.uint8)
+    assert mma.wint_mma_applies(x, None, None, 4, 128, False)
+    assert mma.wint_mma_applies(x, None, None, 4, 256, False)  # per channel
+    assert mma.wint_mma_applies(x, None, None, 8, 256, False)
+    assert not mma.wint_mma_applies(x, None, None, 8, 256, True)  # e4m3 weights
+    assert not mma.wint_mma_applies(x, zeros, None, 4, 128, False)  # asymmetric
+    assert not mma.wint_mma_applies(x, None, torch.arange(256), 4, 128, False)  # act-order
+    assert not mma.wint_mma_applies(torch.zeros(8, 512, dtype=torch.bfloat16), None, None, 4,
+                                    256, False)  # group wider than a K step  # fmt: skip
+    assert not mma.wint_mma_applies(torch.zeros(8, 48, dtype=torch.bfloat16), None, None, 8, 48,
+                                    False)  # per channel, K not a multiple of 32  # fmt: skip
+    assert not mma.wint_mma_applies(x.float(), None, None, 4, 128, False)
+    assert not mma.wint_mma_applies(x[:2], None, None, 4, 128, False)  # the GEMV's rows
+    assert not mma.wint_mma_applies(torch.zeros(65, 256, dtype=torch.bfloat16), None, None, 4,
+                                    128, False)  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("bits, group", [(4, 64), (8, -1)])
+def test_wint_gemm_dispatches_decode_batches_to_wint_mma(monkeypatch, bits, group):
+    """quant_gemm sends symmetric int4 and 8-bit codes at 3..64 rows here (bias and the gated
+    silu after)."""
+    calls = []
+    real = qg.wint_mma_gemm
+    monkeypatch.setattr(qg, "wint_mma_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(3)
+    qweight, scales, _, w64 = make_weight(128, 256, bits, group, True, gen=gen)
+    x = torch.randn(5, 256, generator=gen).half()
+    bias = torch.randn(128, generator=gen).half()
+    out = qg.wint_gemm_triton(x, qweight, scales.half(), None, bits, group, bias=bias,
+                              gated=True)  # fmt: skip
+    y = naive(x, w64) + bias.double()
+    gate, up = y.chunk(2, dim=-1)
+    assert calls == [1]
+    assert_rel_close(out, torch.nn.functional.silu(gate) * up, 5e-3, f"gated W{bits} mma")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [3, 16, 64])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1000, 4096)])
+def test_gpu_wint_mma_default_tiles(n, k, m, dtype):
+    """The PTX decodes (lop3 + packed FMA) at Llama-3.1-8B shapes with the default tiles."""
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    _check(n, k, 4, 128, m, dtype, "cuda", tol=tol, seed=m)
+    _check(n, k, 4, 64, m, dtype, "cuda", tol=tol, seed=m + 1, smooth=True)
+    _check(n, k, 8, -1, m, dtype, "cuda", tol=tol, seed=m + 2)
+    _check(n, k, 4, -1, m, dtype, "cuda", tol=tol, seed=m + 3, smooth=True)
