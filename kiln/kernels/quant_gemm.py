@@ -14,9 +14,9 @@ GEMV_FMA_MAX_M rows, a tensor-core variant for int4 up to SMALL_M, see _gemv_con
 FUSED_MAX_M rows a tensor-core tile kernel; above, one dequantization kernel into a dense
 weight followed by cuBLAS (the same math, ``W`` rounded to x.dtype). The stored layout is
 kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): no kernel needs a repacked weight.
-Symmetric int4 and 8-bit integer codes without act-order at 16-bit x and 3-64 rows skip all
-three for kiln/kernels/wint_mma.py (codes decoded straight into tensor-core operands: 2-3x faster
-than the tile kernel there, and faster than bf16 cuBLAS), unless the caller forces a config.
+Symmetric int4 and 8-bit integer codes without act-order at 16-bit x and 3-128 rows skip all
+three for kiln/kernels/wint_mma.py (codes decoded straight into tensor-core operands: faster
+than the tile kernel and the dequantization there), unless the caller forces a config.
 ``gated=True`` (Llama's merged gate/up projection) returns silu(gate) * up instead of y: the
 CUDA-core GEMV computes it in its epilogue, every other path runs silu_and_mul after. The bias
 goes in the word-streaming kernels' epilogue where K is not split, else it is added after.
@@ -845,6 +845,14 @@ def _dense_gemv_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(1, 8, 1024, num_warps=8)
 
 
+def _mma_applies(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor | None,
+                 perm: torch.Tensor | None, bits: int, group_size: int) -> bool:
+    """Whether kiln/kernels/wint_mma.py takes x [M, K] @ W^T (its words viewable as int32)."""
+    k = x.shape[1]
+    return _words(qweight, bits) is not None and wint_mma_applies(
+        x, zeros, perm, bits, k if group_size <= 0 else group_size, qweight.dtype == FP8_DTYPE)
+
+
 def wint_gemm_triton(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -878,8 +886,8 @@ def wint_gemm_triton(
         return torch.empty(0, n // 2 if gated else n, device=x.device, dtype=out_dtype or x.dtype)
     words = _words(qweight, bits)
     w_fp8 = qweight.dtype == FP8_DTYPE
-    if isinstance(config, MmaTiles) or (config is None and words is not None
-                                        and wint_mma_applies(x, zeros, perm, bits, group, w_fp8)):
+    if isinstance(config, MmaTiles) or config is None and _mma_applies(x, qweight, zeros, perm,
+                                                                       bits, group_size):
         out = wint_mma_gemm(x, words, scales, bits, group, smooth, out_dtype, config)
         if bias is not None:
             out += bias
@@ -1057,7 +1065,8 @@ def wint_linear_triton(
 ) -> torch.Tensor:
     """``wint_linear`` without the device check: the Triton paths, picked by the rows of x."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x2.shape[0] <= FUSED_MAX_M[bits]:
+    if x2.shape[0] <= FUSED_MAX_M[bits] or _mma_applies(x2, qweight, zeros, perm, bits,
+                                                         group_size):
         out = wint_gemm_triton(x2, qweight, scales, zeros, bits, group_size, perm, smooth,
                                out_dtype=out_dtype, gated=gated, bias=bias)
     else:

@@ -39,7 +39,9 @@ import torch
 from kiln.kernels._triton import num_sms, pdl, tl, triton, wait_for_inputs
 
 MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
-MMA_MAX_M = 64  # above: dequantize + cuBLAS; at M = 128 this kernel lost to bf16 by 1.6-2x
+# above: dequantize + cuBLAS, faster than this kernel at M = 256 on 3 of the 4 Llama-3.1-8B
+# shapes; at M = 128 this kernel beats it by 1.2-2x (but loses to bf16 cuBLAS by 1.3-2x)
+MMA_MAX_M = 128
 _COUNTER_CAPACITY = 1 << 16  # row tiles per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
 
@@ -185,8 +187,9 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
 
 
 def _per_channel_step(k: int) -> int | None:
-    """Codes of K per step with per-channel scales: the widest of 128, 64, 32 dividing K."""
-    return next((step for step in (128, 64, 32) if k % step == 0), None)
+    """Codes of K per step with per-channel scales: 64 (the H100 sweep's best for 8-bit codes
+    at 4-64 rows, results/h100/wint_mma.txt), else 32 where 64 does not divide K."""
+    return next((step for step in (64, 32) if k % step == 0), None)
 
 
 def wint_mma_applies(x: torch.Tensor, zeros: torch.Tensor | None, perm: torch.Tensor | None,
@@ -201,12 +204,19 @@ def wint_mma_applies(x: torch.Tensor, zeros: torch.Tensor | None, perm: torch.Te
             and x.dtype in (torch.bfloat16, torch.float16) and MMA_MIN_M <= m <= MMA_MAX_M)
 
 
-def wint_mma_tiles(m: int, k: int, group: int) -> MmaTiles:
-    """From the H100 sweep (results/h100/int4_mma.txt): 64-row tiles up to M = 32, 128 above
-    (fewer programs re-reading the larger x tile), K split by _split."""
+def wint_mma_tiles(m: int, n: int, k: int, group: int, device: torch.device) -> MmaTiles:
+    """From the H100 sweeps (results/h100/int4_mma.txt, wint_mma.txt): 64-row tiles up to
+    M = 32, 128 at 33-64 (fewer programs re-reading the larger x tile); at 65-128, 64 again
+    (4 warps hold a [64, 128] accumulator), but 128 in 8 warps where 64-row tiles would be more
+    than three a SM (the merged gate_up: int4 97-102 us against 106, W8 113 against 167).
+    K split by _split."""
     block_m = max(16, 1 << (m - 1).bit_length())
     k_step = group if group < k else _per_channel_step(k)
-    return MmaTiles(64 if m <= 32 else 128, 0, block_m, k_step=k_step)
+    if block_m <= 32:
+        return MmaTiles(64, 0, block_m, k_step=k_step)
+    if block_m == 64 or -(-n // 64) > 3 * num_sms(device):
+        return MmaTiles(128, 0, block_m, num_warps=4 if block_m == 64 else 8, k_step=k_step)
+    return MmaTiles(64, 0, block_m, k_step=k_step)
 
 
 def _split(tiles: MmaTiles, row_tiles: int, steps: int, device: torch.device) -> int:
@@ -232,7 +242,7 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     assert words.dtype == torch.int32 and kw * cpw == k
     assert x.stride(1) == 1 and words.stride(1) == 1 and scales.stride(1) == 1
     assert scales.shape == (n, k // group if grouped else 1)
-    tiles = tiles or wint_mma_tiles(m, k, group)
+    tiles = tiles or wint_mma_tiles(m, n, k, group, x.device)
     k_step = group if grouped else tiles.k_step
     assert tiles.block_m >= m and k % k_step == 0 and k_step % cpw == 0
     row_tiles = triton.cdiv(n, tiles.block_n)

@@ -67,7 +67,7 @@ def test_wint_mma_scale_codes(split):
 @needs_triton
 def test_wint_mma_per_channel_k_step():
     """Per-channel scales at a K that 128 does not divide: 32-code steps, split over them."""
-    assert mma.wint_mma_tiles(4, 96, 96).k_step == 32
+    assert mma.wint_mma_tiles(4, 48, 96, 96, torch.device("cpu")).k_step == 32
     _check(48, 96, 8, -1, 5, torch.float16, "cpu", mma.MmaTiles(64, 3, 16, k_step=32))
 
 
@@ -97,8 +97,10 @@ def test_wint_mma_applies_only_to_its_formats():
                                     False)  # per channel, K not a multiple of 32  # fmt: skip
     assert not mma.wint_mma_applies(x.float(), None, None, 4, 128, False)
     assert not mma.wint_mma_applies(x[:2], None, None, 4, 128, False)  # the GEMV's rows
-    assert not mma.wint_mma_applies(torch.zeros(65, 256, dtype=torch.bfloat16), None, None, 4,
-                                    128, False)  # fmt: skip
+    assert mma.wint_mma_applies(torch.zeros(128, 256, dtype=torch.bfloat16), None, None, 4, 128,
+                                False)  # fmt: skip
+    assert not mma.wint_mma_applies(torch.zeros(129, 256, dtype=torch.bfloat16), None, None, 4,
+                                    128, False)  # dequantize + cuBLAS  # fmt: skip
 
 
 @needs_triton
@@ -121,9 +123,24 @@ def test_wint_gemm_dispatches_decode_batches_to_wint_mma(monkeypatch, bits, grou
     assert_rel_close(out, torch.nn.functional.silu(gate) * up, 5e-3, f"gated W{bits} mma")
 
 
+@needs_triton
+def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch):
+    """65..MMA_MAX_M rows of a symmetric 8-bit layer go to wint_mma (a 128-row x tile), not to
+    dequantize + cuBLAS; the default tiles at that M, against float64."""
+    calls = []
+    real = qg.wint_mma_gemm
+    monkeypatch.setattr(qg, "wint_mma_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(4)
+    qweight, scales, _, w64 = make_weight(64, 128, 8, -1, True, gen=gen)
+    x = torch.randn(2, 35, 128, generator=gen).half()
+    out = qg.wint_linear_triton(x, qweight, scales.half(), None, 8, -1)
+    assert calls == [1] and out.shape == (2, 35, 64)
+    assert_rel_close(out.reshape(70, 64), naive(x.reshape(70, 128), w64), 3e-3, "W8 70 rows")
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [3, 16, 64])
+@pytest.mark.parametrize("m", [3, 16, 64, 100])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1000, 4096)])
 def test_gpu_wint_mma_default_tiles(n, k, m, dtype):
     """The PTX decodes (lop3 + packed FMA) at Llama-3.1-8B shapes with the default tiles."""
@@ -132,3 +149,11 @@ def test_gpu_wint_mma_default_tiles(n, k, m, dtype):
     _check(n, k, 4, 64, m, dtype, "cuda", tol=tol, seed=m + 1, smooth=True)
     _check(n, k, 8, -1, m, dtype, "cuda", tol=tol, seed=m + 2)
     _check(n, k, 4, -1, m, dtype, "cuda", tol=tol, seed=m + 3, smooth=True)
+
+
+@gpu
+@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
+def test_gpu_wint_mma_wide_n_tiles(bits, group):
+    """65-128 rows at the merged gate_up's N: 128-row tiles in 8 warps (the default there)."""
+    assert mma.wint_mma_tiles(100, 28672, 4096, 128, torch.device("cuda")).num_warps == 8
+    _check(28672, 4096, bits, group, 100, torch.bfloat16, "cuda", tol=2e-2, seed=bits)
