@@ -850,8 +850,7 @@ def _mma_applies(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor | N
     """Whether kiln/kernels/wint_mma.py takes x [M, K] @ W^T (its words viewable as int32)."""
     k = x.shape[1]
     return _words(qweight, bits) is not None and wint_mma_applies(
-        x, qweight.shape[0], zeros, perm, bits, k if group_size <= 0 else group_size,
-        qweight.dtype == FP8_DTYPE)
+        x, zeros, perm, bits, k if group_size <= 0 else group_size, qweight.dtype == FP8_DTYPE)
 
 
 def wint_gemm_triton(

@@ -192,18 +192,19 @@ def _per_channel_step(k: int) -> int | None:
     return next((step for step in (64, 32) if k % step == 0), None)
 
 
-def wint_mma_applies(x: torch.Tensor, n: int, zeros: torch.Tensor | None,
-                     perm: torch.Tensor | None, bits: int, group: int, w_fp8: bool) -> bool:
-    """Whether this kernel takes x [M, K] @ W^T for W [N, K]'s format (quant_gemm's arguments,
+def wint_mma_applies(x: torch.Tensor, zeros: torch.Tensor | None, perm: torch.Tensor | None,
+                     bits: int, group: int, w_fp8: bool) -> bool:
+    """Whether this kernel takes x [M, K] @ W^T for W's format (quant_gemm's arguments,
     its words viewable as int32): symmetric int4 or 8-bit integer codes, group-wise (32, 64 or
     128 dividing K) or per channel (K a multiple of 32), no act-order permutation, 16-bit x,
-    MMA_MIN_M <= M <= MMA_MAX_M, and for 8-bit codes a shape where it beat quant_gemm's tile
-    kernel on the H100 (results/h100/wint_mma.txt): up to 32 rows but for K > 8192 (down_proj:
-    32.3 us against 44.8 at M = 16), at 33-64 rows N <= 8192 (gate_up at M = 64: 78.7 us
-    against 108.8), above 64 rows every shape."""
+    MMA_MIN_M <= M <= MMA_MAX_M, and for 8-bit codes more than 64 rows. At 3-64 rows 8-bit
+    codes keep quant_gemm's tile kernel (results/h100/wint_mma.txt): per GEMM this kernel was
+    faster at qkv and gate_up but slower at down_proj (44.9 us against 32.3 at M = 16) and the
+    W8 LM head (288.5 against 209.2), and the int8 preset decoded 7% slower with it at batch 16
+    (2960 tok/s against 3157-3195) by more than those two account for."""
     m, k = x.shape
     grouping = group in _GROUPS and k % group == 0 or group >= k and _per_channel_step(k)
-    if bits == 8 and (m <= 32 and k > 8192 or 32 < m <= 64 and n > 8192):
+    if bits == 8 and m <= 64:
         return False
     return (bits in (4, 8) and not w_fp8 and zeros is None and perm is None and bool(grouping)
             and x.dtype in (torch.bfloat16, torch.float16) and MMA_MIN_M <= m <= MMA_MAX_M)

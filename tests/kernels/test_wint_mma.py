@@ -85,44 +85,41 @@ def test_wint_mma_split_sum_is_repeatable_and_counters_reset():
 def test_wint_mma_applies_only_to_its_formats():
     x = torch.zeros(8, 256, dtype=torch.bfloat16)
     zeros = torch.zeros(4, 2, dtype=torch.uint8)
-    assert mma.wint_mma_applies(x, 64, None, None, 4, 128, False)
-    assert mma.wint_mma_applies(x, 64, None, None, 4, 256, False)  # per channel
-    assert mma.wint_mma_applies(x, 64, None, None, 8, 256, False)
-    assert not mma.wint_mma_applies(x, 64, None, None, 8, 256, True)  # e4m3 weights
-    assert not mma.wint_mma_applies(x, 64, zeros, None, 4, 128, False)  # asymmetric
-    assert not mma.wint_mma_applies(x, 64, None, torch.arange(256), 4, 128, False)  # act-order
-    assert not mma.wint_mma_applies(torch.zeros(8, 512, dtype=torch.bfloat16), 64, None, None, 4,
+    assert mma.wint_mma_applies(x, None, None, 4, 128, False)
+    assert mma.wint_mma_applies(x, None, None, 4, 256, False)  # per channel
+    x100 = torch.zeros(100, 256, dtype=torch.bfloat16)
+    assert mma.wint_mma_applies(x100, None, None, 8, 256, False)
+    assert not mma.wint_mma_applies(x100, None, None, 8, 256, True)  # e4m3 weights
+    assert not mma.wint_mma_applies(x, zeros, None, 4, 128, False)  # asymmetric
+    assert not mma.wint_mma_applies(x, None, torch.arange(256), 4, 128, False)  # act-order
+    assert not mma.wint_mma_applies(torch.zeros(8, 512, dtype=torch.bfloat16), None, None, 4,
                                     256, False)  # group wider than a K step  # fmt: skip
-    assert not mma.wint_mma_applies(torch.zeros(8, 48, dtype=torch.bfloat16), 64, None, None, 8, 48,
+    assert not mma.wint_mma_applies(torch.zeros(8, 48, dtype=torch.bfloat16), None, None, 4, 48,
                                     False)  # per channel, K not a multiple of 32  # fmt: skip
-    assert not mma.wint_mma_applies(x.float(), 64, None, None, 4, 128, False)
-    # 8-bit shapes where quant_gemm's tile kernel was faster: down_proj's K, wide N at 33-64
-    assert not mma.wint_mma_applies(torch.zeros(16, 14336, dtype=torch.bfloat16), 4096, None,
-                                    None, 8, 14336, False)  # fmt: skip
-    assert mma.wint_mma_applies(torch.zeros(16, 14336, dtype=torch.bfloat16), 4096, None, None,
-                                4, 128, False)  # fmt: skip
-    assert not mma.wint_mma_applies(torch.zeros(64, 256, dtype=torch.bfloat16), 14336, None,
-                                    None, 8, 256, False)  # fmt: skip
-    assert mma.wint_mma_applies(torch.zeros(100, 256, dtype=torch.bfloat16), 14336, None, None,
-                                8, 256, False)  # fmt: skip
-    assert not mma.wint_mma_applies(x[:2], 64, None, None, 4, 128, False)  # the GEMV's rows
-    assert mma.wint_mma_applies(torch.zeros(128, 256, dtype=torch.bfloat16), 64, None, None, 4, 128,
+    assert not mma.wint_mma_applies(x.float(), None, None, 4, 128, False)
+    # 8-bit codes: quant_gemm's tile kernel up to 64 rows, this kernel at 65..128
+    assert not mma.wint_mma_applies(torch.zeros(64, 256, dtype=torch.bfloat16), None, None, 8,
+                                    256, False)  # fmt: skip
+    assert mma.wint_mma_applies(torch.zeros(65, 256, dtype=torch.bfloat16), None, None, 8, 256,
                                 False)  # fmt: skip
-    assert not mma.wint_mma_applies(torch.zeros(129, 256, dtype=torch.bfloat16), 64, None, None, 4,
+    assert not mma.wint_mma_applies(x[:2], None, None, 4, 128, False)  # the GEMV's rows
+    assert mma.wint_mma_applies(torch.zeros(128, 256, dtype=torch.bfloat16), None, None, 4, 128,
+                                False)  # fmt: skip
+    assert not mma.wint_mma_applies(torch.zeros(129, 256, dtype=torch.bfloat16), None, None, 4,
                                     128, False)  # dequantize + cuBLAS  # fmt: skip
 
 
 @needs_triton
-@pytest.mark.parametrize("bits, group", [(4, 64), (8, -1)])
-def test_wint_gemm_dispatches_decode_batches_to_wint_mma(monkeypatch, bits, group):
-    """quant_gemm sends symmetric int4 and 8-bit codes at 3..64 rows here (bias and the gated
-    silu after)."""
+@pytest.mark.parametrize("bits, group, m", [(4, 64, 5), (8, -1, 70)])
+def test_wint_gemm_dispatches_decode_batches_to_wint_mma(monkeypatch, bits, group, m):
+    """quant_gemm sends symmetric int4 at 3..128 rows and 8-bit codes at 65..128 here (bias and
+    the gated silu after)."""
     calls = []
     real = qg.wint_mma_gemm
     monkeypatch.setattr(qg, "wint_mma_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(3)
     qweight, scales, _, w64 = make_weight(128, 256, bits, group, True, gen=gen)
-    x = torch.randn(5, 256, generator=gen).half()
+    x = torch.randn(m, 256, generator=gen).half()
     bias = torch.randn(128, generator=gen).half()
     out = qg.wint_gemm_triton(x, qweight, scales.half(), None, bits, group, bias=bias,
                               gated=True)  # fmt: skip
