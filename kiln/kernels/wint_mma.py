@@ -27,7 +27,9 @@ next kernel touches the counters only after its wait, when this kernel has finis
 Against the CUDA-core kernels of quant_gemm (H100, Llama-3.1-8B shapes, bf16, g128,
 benchmarks/results/h100/int4_mma.txt): int4 qkv + o + gate_up + down take 84 us at M = 16
 against 240 for the tile kernel this replaced and 166 for bf16 cuBLAS; 112 at M = 64 against
-329 and 169. At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2.
+329 and 169. At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2. At 65-128 rows it
+replaced dequantize + cuBLAS, 1.2-2.1x slower (wint_mma.txt: int4 208 us a layer at M = 128
+against 389; bf16 cuBLAS 177). 8-bit codes run here only there (see wint_mma_applies).
 """
 
 from __future__ import annotations
