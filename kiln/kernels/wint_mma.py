@@ -85,19 +85,13 @@ def _code_pairs(shifted, BITS: tl.constexpr, ASM: tl.constexpr, dtype: tl.conste
     if ASM:  # nested ifs: each folds at compile time, so one branch's type is all there is
         pair = tl.join(shifted, shifted)  # (inline asm takes literal dtypes, not a constexpr one)
         if dtype == tl.bfloat16:
-            if BITS == 4:
-                return tl.inline_asm_elementwise(_DECODE4_BF16, "=r,r,r", [pair],
-                                                 dtype=tl.bfloat16, is_pure=True, pack=2)
-            else:
-                return tl.inline_asm_elementwise(_DECODE8_BF16, "=r,r,r", [pair],
-                                                 dtype=tl.bfloat16, is_pure=True, pack=2)
+            asm: tl.constexpr = _DECODE4_BF16 if BITS == 4 else _DECODE8_BF16
+            return tl.inline_asm_elementwise(asm, "=r,r,r", [pair], dtype=tl.bfloat16,
+                                             is_pure=True, pack=2)
         else:
-            if BITS == 4:
-                return tl.inline_asm_elementwise(_DECODE4_F16, "=r,r,r", [pair],
-                                                 dtype=tl.float16, is_pure=True, pack=2)
-            else:
-                return tl.inline_asm_elementwise(_DECODE8_F16, "=r,r,r", [pair],
-                                                 dtype=tl.float16, is_pure=True, pack=2)
+            asm: tl.constexpr = _DECODE4_F16 if BITS == 4 else _DECODE8_F16
+            return tl.inline_asm_elementwise(asm, "=r,r,r", [pair], dtype=tl.float16,
+                                             is_pure=True, pack=2)
     # the interpreter runs no PTX: the same values with integer ops
     mask: tl.constexpr = (1 << BITS) - 1
     zero: tl.constexpr = 1 << (BITS - 1)
