@@ -1,7 +1,7 @@
 """Check and time Kiln's quantized GEMMs at the Llama-3.1-8B shapes; JSON out, table last.
 
     PYTHONPATH=. python3 benchmarks/gpu_quant.py --out $OUT/quant.json
-        [--sweep small|next|full|none] [--only-sweep] [--ms 1,16] [--check-ms 1,3,16]
+        [--sweep small|next|full|decode1|mma|none] [--only-sweep] [--ms 1,16] [--check-ms 1,3,16]
         [--pytest] [--budget SECONDS] [--asm DIR]
 
 1. checks: each path (the dispatching wrapper, the fused kernels, dequantize + cuBLAS, W8A8
@@ -15,7 +15,9 @@
 3. sweep: configurations of the small-M kernels (kiln/kernels/quant_gemm.GemvConfig: the
    CUDA-core GEMV, the tensor-core word kernel; GemmConfig: the tile kernel) at M = 1..16,
    each checked against float64 and timed next to the current default ("default" rows); the
-   best ones are what quant_gemm._gemv_config should pick.
+   best ones are what quant_gemm._gemv_config should pick. ``--sweep mma``: tiles of the
+   tensor-core weight-only GEMM (kiln/kernels/wint_mma.MmaTiles) at 4-256 rows, next to bf16
+   cuBLAS and the dispatching wrapper.
 
 GB/s counts the weight bytes read (packed codes + scales + zeros) plus activations in and out;
 the W4A16 GEMV target is >= 70% of the 2831 GB/s copy bandwidth (shared/GPU.md). At M = 1 the
