@@ -288,20 +288,15 @@ Mt = qg.MmaTiles
 # the tensor-core weight-only GEMM (kiln/kernels/wint_mma.py) of decode batches, and past its
 # MMA_MAX_M (where the dispatch dequantizes and calls cuBLAS): split 0 is the default rule's
 SWEEPS["mma"] = {
-    4: [Mt(64, 0, 16), Mt(64, 0, 16, k_step=64), Mt(64, 0, 16, k_step=256), Mt(128, 0, 16),
-        Mt(64, 0, 16, scale_codes=True)],
+    4: [Mt(64, 0, 16), Mt(64, 0, 16, k_step=64), Mt(64, 0, 16, k_step=256), Mt(128, 0, 16)],
     16: [Mt(64, 0, 16), Mt(64, 0, 16, k_step=64), Mt(64, 0, 16, k_step=256), Mt(128, 0, 16),
-         Mt(64, 0, 16, num_stages=4), Mt(64, 0, 16, scale_codes=True)],
-    32: [Mt(64, 0, 32), Mt(64, 0, 32, k_step=64), Mt(64, 0, 32, k_step=256), Mt(128, 0, 32),
-         Mt(64, 0, 32, scale_codes=True)],
+         Mt(64, 0, 16, num_stages=4)],
+    32: [Mt(64, 0, 32), Mt(64, 0, 32, k_step=64), Mt(64, 0, 32, k_step=256), Mt(128, 0, 32)],
     64: [Mt(128, 0, 64), Mt(128, 0, 64, num_warps=8), Mt(128, 0, 64, k_step=64),
-         Mt(64, 0, 64), Mt(64, 0, 64, k_step=64), Mt(128, 0, 64, scale_codes=True),
-         Mt(128, 0, 64, num_warps=8, scale_codes=True)],
+         Mt(64, 0, 64), Mt(64, 0, 64, k_step=64)],
     128: [Mt(64, 0, 128, k_step=64), Mt(128, 0, 128, num_warps=8, k_step=64),
-          Mt(128, 0, 128, num_warps=8, k_step=64, scale_codes=True),
-          Mt(64, 0, 128, k_step=64, scale_codes=True), Mt(256, 0, 128, num_warps=8, k_step=64)],
-    256: [Mt(128, 0, 256, num_warps=8, k_step=64), Mt(64, 0, 256, k_step=64),
-          Mt(128, 0, 256, num_warps=8, k_step=64, scale_codes=True)],
+          Mt(256, 0, 128, num_warps=8, k_step=64)],
+    256: [Mt(128, 0, 256, num_warps=8, k_step=64), Mt(64, 0, 256, k_step=64)],
 }
 SWEEPS["full"] = {**SWEEPS["small"], 1: SWEEPS["small"][1] + [
     G(1, 32, 256), G(1, 8, 1024, num_warps=8), G(1, 16, 512, num_warps=8),

@@ -73,9 +73,6 @@ class MmaTiles:
     num_warps: int = 4
     num_stages: int = 3
     k_step: int = 128  # codes of K per step with per-channel scales (group-wise: the group)
-    # group-wise: scale the decoded codes (W rounded to x's dtype, as the dequantized reference
-    # rounds it) rather than each group's float32 dot result: no second accumulator
-    scale_codes: bool = False
 
 
 @triton.jit
@@ -104,14 +101,13 @@ def _code_pairs(shifted, BITS: tl.constexpr, ASM: tl.constexpr, dtype: tl.conste
 def _wint_mma_kernel(
     x_ptr, w_ptr, s_ptr, smooth_ptr, out_ptr, part_ptr, count_ptr,
     M, N, KW, kw_per_split, stride_xm, stride_wn, stride_sn, stride_om,
-    BITS: tl.constexpr, STEP_W: tl.constexpr, GROUPED: tl.constexpr, SCALE_CODES: tl.constexpr,
-    HAS_SMOOTH: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BITS: tl.constexpr, STEP_W: tl.constexpr, GROUPED: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out^T [BLOCK_N, BLOCK_M] of one row tile over 1/SPLIT of K, STEP_W words a row per step:
-    acc += W_codes [BLOCK_N, BK] @ x^T [BK, BLOCK_M], times the step's scale group if GROUPED
-    (SCALE_CODES: W_codes times it, rounded to x's dtype, before the dot), else the row's scale
-    at the end."""
+    acc += W_codes [BLOCK_N, BK] @ x^T [BK, BLOCK_M], times the step's scale group if GROUPED,
+    else the row's scale at the end."""
     CPW: tl.constexpr = 32 // BITS  # codes per word
     H: tl.constexpr = CPW // 2
     BK: tl.constexpr = STEP_W * CPW
@@ -139,11 +135,8 @@ def _wint_mma_kernel(
         x = tl.permute(tl.reshape(x, [BLOCK_M, STEP_W, 2, H]), (0, 1, 3, 2))  # the codes' order
         xt = tl.trans(tl.reshape(x, [BLOCK_M, BK]))
         if GROUPED:
-            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)
-            if SCALE_CODES:
-                acc = tl.dot((w * s[:, None]).to(dt), xt, acc)
-            else:
-                acc += tl.dot(w, xt) * s.to(tl.float32)[:, None]
+            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W).to(tl.float32)
+            acc += tl.dot(w, xt) * s[:, None]
         else:
             acc = tl.dot(w, xt, acc)
     if not GROUPED:
@@ -210,14 +203,14 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, device: torch.device) -> 
     """From the H100 sweeps (results/h100/int4_mma.txt, wint_mma.txt): 64-row tiles up to
     M = 32, 128 at 33-64 (fewer programs re-reading the larger x tile); at 65-128, 64 again
     (4 warps hold a [64, 128] accumulator), but 128 in 8 warps where 64-row tiles would be more
-    than three a SM (the merged gate_up: int4 97-102 us against 106, W8 113 against 167).
+    than three a SM (the merged gate_up: int4 102 us against 106, W8 113 against 167).
     K split by _split."""
     block_m = max(16, 1 << (m - 1).bit_length())
     k_step = group if group < k else _per_channel_step(k)
-    if block_m <= 32:
-        return MmaTiles(64, 0, block_m, k_step=k_step)
-    if block_m == 64 or -(-n // 64) > 3 * num_sms(device):
-        return MmaTiles(128, 0, block_m, num_warps=4 if block_m == 64 else 8, k_step=k_step)
+    if block_m == 64:
+        return MmaTiles(128, 0, block_m, k_step=k_step)
+    if block_m > 64 and -(-n // 64) > 3 * num_sms(device):
+        return MmaTiles(128, 0, block_m, num_warps=8, k_step=k_step)
     return MmaTiles(64, 0, block_m, k_step=k_step)
 
 
@@ -260,7 +253,6 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
         x, words, scales, smooth if smooth is not None else scales, out, parts, counters,
         m, n, kw, steps_per_split * step_w, x.stride(0), words.stride(0), scales.stride(0),
         out.stride(0), BITS=bits, STEP_W=step_w, GROUPED=grouped,
-        SCALE_CODES=grouped and tiles.scale_codes,
         HAS_SMOOTH=smooth is not None, SPLIT=split, ASM=x.is_cuda,
         BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x.device),

@@ -57,11 +57,11 @@ def test_wint_mma_smooth(bits, group):
 
 
 @needs_triton
-@pytest.mark.parametrize("split", [0, 2])
-def test_wint_mma_scale_codes(split):
-    """Group scales applied to the decoded codes (rounded like the reference's W), K split by
-    the default rule (0) or in two."""
-    _check(72, 512, 4, 128, 9, torch.float16, "cpu", mma.MmaTiles(64, split, 16, scale_codes=True))
+def test_wint_mma_default_split():
+    """split 0: K split by the default rule (nominal 8 SMs off CUDA: 2 row tiles of 16 steps
+    split 8 ways, 2 steps each)."""
+    assert mma._split(mma.MmaTiles(64, 0, 16), 2, 16, torch.device("cpu")) == 8
+    _check(72, 2048, 4, 128, 9, torch.float16, "cpu", mma.MmaTiles(64, 0, 16))
 
 
 @needs_triton
