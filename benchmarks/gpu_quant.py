@@ -16,7 +16,7 @@
    CUDA-core GEMV, the tensor-core word kernel; GemmConfig: the tile kernel) at M = 1..16,
    each checked against float64 and timed next to the current default ("default" rows); the
    best ones are what quant_gemm._gemv_config should pick. ``--sweep mma``: tiles of the
-   tensor-core weight-only GEMM (kiln/kernels/wint_mma.MmaTiles) at 4-256 rows, next to bf16
+   tensor-core weight-only GEMM (kiln/kernels/wint_mma.MmaTiles) at 16-512 rows, next to bf16
    cuBLAS and the dispatching wrapper.
 
 GB/s counts the weight bytes read (packed codes + scales + zeros) plus activations in and out;
@@ -287,16 +287,20 @@ SWEEPS = {
 Mt = qg.MmaTiles
 # the tensor-core weight-only GEMM (kiln/kernels/wint_mma.py) of decode batches, and past its
 # MMA_MAX_M (where the dispatch dequantizes and calls cuBLAS): split 0 is the default rule's
-SWEEPS["mma"] = {
-    4: [Mt(64, 0, 16), Mt(64, 0, 16, k_step=64), Mt(64, 0, 16, k_step=256), Mt(128, 0, 16)],
-    16: [Mt(64, 0, 16), Mt(64, 0, 16, k_step=64), Mt(64, 0, 16, k_step=256), Mt(128, 0, 16),
-         Mt(64, 0, 16, num_stages=4)],
-    32: [Mt(64, 0, 32), Mt(64, 0, 32, k_step=64), Mt(64, 0, 32, k_step=256), Mt(128, 0, 32)],
-    64: [Mt(128, 0, 64), Mt(128, 0, 64, num_warps=8), Mt(128, 0, 64, k_step=64),
-         Mt(64, 0, 64), Mt(64, 0, 64, k_step=64)],
-    128: [Mt(64, 0, 128, k_step=64), Mt(128, 0, 128, num_warps=8, k_step=64),
-          Mt(256, 0, 128, num_warps=8, k_step=64)],
-    256: [Mt(128, 0, 256, num_warps=8, k_step=64), Mt(64, 0, 256, k_step=64)],
+SWEEPS["mma"] = {  # largest M first: the new x-row tiling past MMA_MAX_M, then decode batches
+    256: [Mt(128, 0, 128, num_warps=8, k_step=64), Mt(128, 1, 128, num_warps=8, k_step=64),
+          Mt(128, 2, 128, num_warps=8, k_step=64), Mt(64, 0, 128, k_step=64),
+          Mt(128, 0, 64, k_step=64)],
+    512: [Mt(128, 0, 128, num_warps=8, k_step=64), Mt(128, 1, 128, num_warps=8, k_step=64),
+          Mt(64, 0, 128, k_step=64)],
+    128: [Mt(128, 1, 128, num_warps=8, k_step=64), Mt(128, 2, 128, num_warps=8, k_step=64),
+          Mt(128, 0, 128, num_warps=8, num_stages=2, k_step=64), Mt(64, 1, 128, k_step=64),
+          Mt(64, 2, 128, k_step=64), Mt(128, 0, 64, k_step=64)],
+    64: [Mt(128, 1, 64, k_step=64), Mt(128, 2, 64, k_step=64), Mt(128, 4, 64, k_step=64),
+         Mt(128, 0, 64, num_stages=4, k_step=64), Mt(64, 0, 64, num_stages=4, k_step=64)],
+    16: [Mt(64, 2, 16, k_step=64), Mt(64, 4, 16, k_step=64), Mt(64, 8, 16, k_step=64),
+         Mt(64, 0, 16, num_stages=4, k_step=64), Mt(64, 0, 16, num_stages=5, k_step=64),
+         Mt(128, 0, 16, k_step=64)],
 }
 SWEEPS["full"] = {**SWEEPS["small"], 1: SWEEPS["small"][1] + [
     G(1, 32, 256), G(1, 8, 1024, num_warps=8), G(1, 16, 512, num_warps=8),

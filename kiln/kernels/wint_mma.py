@@ -44,7 +44,7 @@ MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
 # above: dequantize + cuBLAS, faster than this kernel at M = 256 on 3 of the 4 Llama-3.1-8B
 # shapes; at M = 128 this kernel beats it by 1.2-2x (but loses to bf16 cuBLAS by 1.3-2x)
 MMA_MAX_M = 128
-_COUNTER_CAPACITY = 1 << 16  # row tiles per launch
+_COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
 
 # per asm instance: the shifted word in $1 ($2 is the same register), the pair out in $0
@@ -69,7 +69,7 @@ _DECODE8_F16 = tl.constexpr(
 class MmaTiles:
     block_n: int  # rows of W per program (the dot's M: 64 or 128)
     split: int  # programs sharing a tile's K; 0: as many as _split picks
-    block_m: int  # rows of x, padded to a power of two >= 16
+    block_m: int  # rows of x a program takes (a power of two >= 16; more rows: more x tiles)
     num_warps: int = 4
     num_stages: int = 3
     k_step: int = 128  # codes of K per step with per-channel scales (group-wise: the group)
@@ -105,21 +105,22 @@ def _wint_mma_kernel(
     SPLIT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """out^T [BLOCK_N, BLOCK_M] of one row tile over 1/SPLIT of K, STEP_W words a row per step:
-    acc += W_codes [BLOCK_N, BK] @ x^T [BK, BLOCK_M], times the step's scale group if GROUPED,
-    else the row's scale at the end."""
+    """out^T [BLOCK_N, BLOCK_M] of one (row tile, x tile) over 1/SPLIT of K, STEP_W words a row
+    per step: acc += W_codes [BLOCK_N, BK] @ x^T [BK, BLOCK_M], times the step's scale group if
+    GROUPED, else the row's scale at the end. x tiles are the fastest grid axis, so the programs
+    that share a weight tile run together and read it from HBM once."""
     CPW: tl.constexpr = 32 // BITS  # codes per word
     H: tl.constexpr = CPW // 2
     BK: tl.constexpr = STEP_W * CPW
     dt = x_ptr.dtype.element_ty
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # clamped, not masked: unpredicated loads
     offs_w = tl.arange(0, STEP_W)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     shifts = tl.arange(0, H) * BITS
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     kw_begin = pid_k * kw_per_split
@@ -141,23 +142,24 @@ def _wint_mma_kernel(
             acc = tl.dot(w, xt, acc)
     if not GROUPED:
         acc = acc * tl.load(s_ptr + rows * stride_sn).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
     out_mask = (offs_n < N)[:, None] & m_mask[None, :]
     if SPLIT == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
-        tile_parts = part_ptr + pid_n * (SPLIT * BLOCK_N * BLOCK_M)
+        tile = pid_n * tl.num_programs(0) + pid_m
+        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tile_parts = part_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_N * BLOCK_M)
         tl.store(tile_parts + pid_k * (BLOCK_N * BLOCK_M) + local, acc)
         tl.debug_barrier()  # every thread's partial stored before the arrival is counted
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLIT - 1:  # the last program of the tile: sum the splits in order
             total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for j in tl.static_range(SPLIT):
                 total += tl.load(tile_parts + j * (BLOCK_N * BLOCK_M) + local,
                                  cache_modifier=".cg")  # fmt: skip
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid_n, 0)
+            tl.atomic_xchg(count_ptr + tile, 0)
 
 
 _counters: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -204,8 +206,8 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, device: torch.device) -> 
     M = 32, 128 at 33-64 (fewer programs re-reading the larger x tile); at 65-128, 64 again
     (4 warps hold a [64, 128] accumulator), but 128 in 8 warps where 64-row tiles would be more
     than three a SM (the merged gate_up: int4 102 us against 106, W8 113 against 167).
-    K split by _split."""
-    block_m = max(16, 1 << (m - 1).bit_length())
+    More rows than MMA_MAX_M: 128-row x tiles. K split by _split."""
+    block_m = min(max(16, 1 << (m - 1).bit_length()), MMA_MAX_M)
     k_step = group if group < k else _per_channel_step(k)
     if block_m == 64:
         return MmaTiles(128, 0, block_m, k_step=k_step)
@@ -214,12 +216,12 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, device: torch.device) -> 
     return MmaTiles(64, 0, block_m, k_step=k_step)
 
 
-def _split(tiles: MmaTiles, row_tiles: int, steps: int, device: torch.device) -> int:
+def _split(tiles: MmaTiles, out_tiles: int, steps: int, device: torch.device) -> int:
     """K split until the programs cover twice the SMs (once above 32 rows of x), keeping at
     least two steps a split."""
     target = (2 if tiles.block_m <= 32 else 1) * num_sms(device)
     split = 1
-    while row_tiles * split < target and steps // (split * 2) >= 2:
+    while out_tiles * split < target and steps // (split * 2) >= 2:
         split *= 2
     return split
 
@@ -239,17 +241,18 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     assert scales.shape == (n, k // group if grouped else 1)
     tiles = tiles or wint_mma_tiles(m, n, k, group, x.device)
     k_step = group if grouped else tiles.k_step
-    assert tiles.block_m >= m and k % k_step == 0 and k_step % cpw == 0
-    row_tiles = triton.cdiv(n, tiles.block_n)
-    assert row_tiles <= _COUNTER_CAPACITY, f"{n} rows: more tiles than the split-K counters"
+    assert k % k_step == 0 and k_step % cpw == 0
+    x_tiles, row_tiles = triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n)
+    assert x_tiles * row_tiles <= _COUNTER_CAPACITY, \
+        f"{m} x {n}: more output tiles than the split-K counters"
     step_w = k_step // cpw
-    split = tiles.split or _split(tiles, row_tiles, k // k_step, x.device)
+    split = tiles.split or _split(tiles, x_tiles * row_tiles, k // k_step, x.device)
     steps_per_split = -(-(kw // step_w) // split)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
-    parts = (torch.empty(row_tiles * split * tiles.block_n * tiles.block_m,
+    parts = (torch.empty(x_tiles * row_tiles * split * tiles.block_n * tiles.block_m,
                          device=x.device, dtype=torch.float32) if split > 1 else out)
     counters = _arrival_counters(x.device) if split > 1 else out
-    _wint_mma_kernel[(row_tiles, split)](
+    _wint_mma_kernel[(x_tiles, row_tiles, split)](
         x, words, scales, smooth if smooth is not None else scales, out, parts, counters,
         m, n, kw, steps_per_split * step_w, x.stride(0), words.stride(0), scales.stride(0),
         out.stride(0), BITS=bits, STEP_W=step_w, GROUPED=grouped,

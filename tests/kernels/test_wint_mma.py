@@ -82,6 +82,16 @@ def test_wint_mma_split_sum_is_repeatable_and_counters_reset():
     assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
+@needs_triton
+@pytest.mark.parametrize("bits, group, split", [(4, 64, 1), (4, 64, 2), (8, -1, 3)])
+def test_wint_mma_tiles_x_rows(bits, group, split):
+    """More rows than a program's x tile: 40 rows in three 16-row tiles (the last one ragged),
+    each with its own split-K partials and counters; the counters are back at zero after."""
+    _check(80, 384, bits, group, 40, torch.float16, "cpu", mma.MmaTiles(64, split, 16),
+           seed=split)
+    assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
+
+
 def test_wint_mma_applies_only_to_its_formats():
     x = torch.zeros(8, 256, dtype=torch.bfloat16)
     zeros = torch.zeros(4, 2, dtype=torch.uint8)
