@@ -14,9 +14,10 @@ GEMV_FMA_MAX_M rows, a tensor-core variant for int4 up to SMALL_M, see _gemv_con
 FUSED_MAX_M rows a tensor-core tile kernel; above, one dequantization kernel into a dense
 weight followed by cuBLAS (the same math, ``W`` rounded to x.dtype). The stored layout is
 kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): no kernel needs a repacked weight.
-Symmetric int4 and 8-bit integer codes without act-order at 16-bit x and 3-128 rows skip all
-three for kiln/kernels/wint_mma.py (codes decoded straight into tensor-core operands: faster
-than the tile kernel and the dequantization there), unless the caller forces a config.
+Symmetric int4 and 8-bit integer codes without act-order at 16-bit x and 3 to
+wint_mma.MMA_MAX_M rows (8-bit codes: from 65) skip all three for kiln/kernels/wint_mma.py
+(codes decoded straight into tensor-core operands: faster than the tile kernel and the
+dequantization there), unless the caller forces a config.
 ``gated=True`` (Llama's merged gate/up projection) returns silu(gate) * up instead of y: the
 CUDA-core GEMV computes it in its epilogue, every other path runs silu_and_mul after. The bias
 goes in the word-streaming kernels' epilogue where K is not split, else it is added after.

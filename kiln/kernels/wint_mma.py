@@ -1,5 +1,5 @@
-"""Tensor-core weight-only GEMM for decode batches (3..MMA_MAX_M rows): symmetric int4 codes
-(group-wise or per channel) and symmetric 8-bit codes (W8A16, per channel).
+"""Tensor-core weight-only GEMM for decode batches (3..MMA_MAX_M[bits] rows): symmetric int4
+codes (group-wise or per channel) and symmetric 8-bit codes (W8A16, per channel).
 
     y[m, n] = sum_k xs[m, k] (u[n, k] - 2^(b - 1)) s[n, k // G],   xs[m, k] = x[m, k] smooth[k]
 
@@ -27,9 +27,10 @@ next kernel touches the counters only after its wait, when this kernel has finis
 Against the CUDA-core kernels of quant_gemm (H100, Llama-3.1-8B shapes, bf16, g128,
 benchmarks/results/h100/int4_mma.txt): int4 qkv + o + gate_up + down take 84 us at M = 16
 against 240 for the tile kernel this replaced and 166 for bf16 cuBLAS; 112 at M = 64 against
-329 and 169. At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2. At 65-128 rows it
+329 and 169. At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2. Past 64 rows it
 replaced dequantize + cuBLAS, 1.2-2.1x slower (wint_mma.txt: int4 208 us a layer at M = 128
-against 389; bf16 cuBLAS 177). 8-bit codes run here only there (see wint_mma_applies).
+against 389; bf16 cuBLAS 177), up to 256 rows for int4 (wint_mma_tiles.txt) and 128 for 8-bit
+codes, which run here only past 64 rows (see wint_mma_applies).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ import torch
 from kiln.kernels._triton import num_sms, pdl, tl, triton, wait_for_inputs
 
 MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
-# above: dequantize + cuBLAS, faster than this kernel at M = 256 on 3 of the 4 Llama-3.1-8B
-# shapes; at M = 128 this kernel beats it by 1.2-2x (but loses to bf16 cuBLAS by 1.3-2x)
-MMA_MAX_M = 128
+# above (per code width): dequantize + cuBLAS, which won every Llama-3.1-8B shape at M = 512
+# and, for 8-bit codes, qkv and o_proj at 256 (results/h100/wint_mma_tiles.txt)
+MMA_MAX_M = {4: 256, 8: 128}
+MIN_STEPS_PER_SPLIT = 4  # fewer K steps a program starve its 3-stage pipeline
 _COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
 
@@ -188,40 +190,48 @@ def wint_mma_applies(x: torch.Tensor, zeros: torch.Tensor | None, perm: torch.Te
     """Whether this kernel takes x [M, K] @ W^T for W's format (quant_gemm's arguments,
     its words viewable as int32): symmetric int4 or 8-bit integer codes, group-wise (32, 64 or
     128 dividing K) or per channel (K a multiple of 32), no act-order permutation, 16-bit x,
-    MMA_MIN_M <= M <= MMA_MAX_M, and for 8-bit codes more than 64 rows. At 3-64 rows 8-bit
+    MMA_MIN_M <= M <= MMA_MAX_M[bits], and for 8-bit codes more than 64 rows. At 3-64 rows 8-bit
     codes keep quant_gemm's tile kernel (results/h100/wint_mma.txt): per GEMM this kernel was
     faster at qkv and gate_up but slower at down_proj (44.9 us against 32.3 at M = 16) and the
     W8 LM head (288.5 against 209.2), and the int8 preset decoded 7% slower with it at batch 16
     (2960 tok/s against 3157-3195) by more than those two account for."""
     m, k = x.shape
     grouping = group in _GROUPS and k % group == 0 or group >= k and _per_channel_step(k)
-    if bits == 8 and m <= 64:
+    if bits not in MMA_MAX_M or bits == 8 and m <= 64:
         return False
-    return (bits in (4, 8) and not w_fp8 and zeros is None and perm is None and bool(grouping)
-            and x.dtype in (torch.bfloat16, torch.float16) and MMA_MIN_M <= m <= MMA_MAX_M)
+    return (not w_fp8 and zeros is None and perm is None and bool(grouping)
+            and x.dtype in (torch.bfloat16, torch.float16) and MMA_MIN_M <= m <= MMA_MAX_M[bits])
 
 
-def wint_mma_tiles(m: int, n: int, k: int, group: int, device: torch.device) -> MmaTiles:
-    """From the H100 sweeps (results/h100/int4_mma.txt, wint_mma.txt): 64-row tiles up to
-    M = 32, 128 at 33-64 (fewer programs re-reading the larger x tile); at 65-128, 64 again
-    (4 warps hold a [64, 128] accumulator), but 128 in 8 warps where 64-row tiles would be more
-    than three a SM (the merged gate_up: int4 102 us against 106, W8 113 against 167).
-    More rows than MMA_MAX_M: 128-row x tiles. K split by _split."""
-    block_m = min(max(16, 1 << (m - 1).bit_length()), MMA_MAX_M)
+def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
+                   device: torch.device) -> MmaTiles:
+    """From the H100 sweeps (results/h100/int4_mma.txt, wint_mma.txt, wint_mma_tiles.txt):
+    - up to 32 rows: one x tile of 16 / 32 rows against 64 rows of W;
+    - int4 past 32 rows, and 8-bit codes at 33-64: 128 rows of W against x tiles of 64 rows
+      (fewer programs re-reading x than with 64-row W tiles; at 65-256 rows of int4 faster than
+      one 128-row x tile: merged gate_up 92 us against 102 at M = 128, 180 against 196 at 256);
+    - 8-bit codes at 65-128 rows: one 128-row x tile (W decoded once for all of them), against
+      64 rows of W, or 128 in 8 warps where 64-row tiles would be more than three a SM (gate_up:
+      W8 113 us against 149 with int4's tiles).
+    K split by _split."""
+    block_m = max(16, 1 << (m - 1).bit_length())
     k_step = group if group < k else _per_channel_step(k)
-    if block_m == 64:
-        return MmaTiles(128, 0, block_m, k_step=k_step)
-    if block_m > 64 and -(-n // 64) > 3 * num_sms(device):
-        return MmaTiles(128, 0, block_m, num_warps=8, k_step=k_step)
-    return MmaTiles(64, 0, block_m, k_step=k_step)
+    if block_m <= 32:
+        return MmaTiles(64, 0, block_m, k_step=k_step)
+    if bits == 4 or block_m == 64:
+        return MmaTiles(128, 0, 64, k_step=k_step)
+    if -(-n // 64) > 3 * num_sms(device):
+        return MmaTiles(128, 0, 128, num_warps=8, k_step=k_step)
+    return MmaTiles(64, 0, 128, k_step=k_step)
 
 
 def _split(tiles: MmaTiles, out_tiles: int, steps: int, device: torch.device) -> int:
     """K split until the programs cover twice the SMs (once above 32 rows of x), keeping at
-    least two steps a split."""
+    least MIN_STEPS_PER_SPLIT steps a split (int4 o_proj at M = 64: 4 splits of 8 steps,
+    14.1 us, against 8 splits of 4, 17.3)."""
     target = (2 if tiles.block_m <= 32 else 1) * num_sms(device)
     split = 1
-    while out_tiles * split < target and steps // (split * 2) >= 2:
+    while out_tiles * split < target and steps // (split * 2) >= MIN_STEPS_PER_SPLIT:
         split *= 2
     return split
 
@@ -239,7 +249,7 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     assert words.dtype == torch.int32 and kw * cpw == k
     assert x.stride(1) == 1 and words.stride(1) == 1 and scales.stride(1) == 1
     assert scales.shape == (n, k // group if grouped else 1)
-    tiles = tiles or wint_mma_tiles(m, n, k, group, x.device)
+    tiles = tiles or wint_mma_tiles(m, n, k, group, bits, x.device)
     k_step = group if grouped else tiles.k_step
     assert k % k_step == 0 and k_step % cpw == 0
     x_tiles, row_tiles = triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n)

@@ -59,15 +59,16 @@ def test_wint_mma_smooth(bits, group):
 @needs_triton
 def test_wint_mma_default_split():
     """split 0: K split by the default rule (nominal 8 SMs off CUDA: 2 row tiles of 16 steps
-    split 8 ways, 2 steps each)."""
-    assert mma._split(mma.MmaTiles(64, 0, 16), 2, 16, torch.device("cpu")) == 8
+    split 4 ways, not 8: each split keeps MIN_STEPS_PER_SPLIT = 4 steps)."""
+    assert mma._split(mma.MmaTiles(64, 0, 16), 2, 16, torch.device("cpu")) == 4
+    assert mma._split(mma.MmaTiles(64, 0, 16), 2, 64, torch.device("cpu")) == 8
     _check(72, 2048, 4, 128, 9, torch.float16, "cpu", mma.MmaTiles(64, 0, 16))
 
 
 @needs_triton
 def test_wint_mma_per_channel_k_step():
     """Per-channel scales at a K that 128 does not divide: 32-code steps, split over them."""
-    assert mma.wint_mma_tiles(4, 48, 96, 96, torch.device("cpu")).k_step == 32
+    assert mma.wint_mma_tiles(4, 48, 96, 96, 8, torch.device("cpu")).k_step == 32
     _check(48, 96, 8, -1, 5, torch.float16, "cpu", mma.MmaTiles(64, 3, 16, k_step=32))
 
 
@@ -113,10 +114,13 @@ def test_wint_mma_applies_only_to_its_formats():
     assert mma.wint_mma_applies(torch.zeros(65, 256, dtype=torch.bfloat16), None, None, 8, 256,
                                 False)  # fmt: skip
     assert not mma.wint_mma_applies(x[:2], None, None, 4, 128, False)  # the GEMV's rows
-    assert mma.wint_mma_applies(torch.zeros(128, 256, dtype=torch.bfloat16), None, None, 4, 128,
+    # past MMA_MAX_M rows (int4: 256, 8-bit codes: 128): dequantize + cuBLAS
+    assert mma.wint_mma_applies(torch.zeros(256, 256, dtype=torch.bfloat16), None, None, 4, 128,
                                 False)  # fmt: skip
-    assert not mma.wint_mma_applies(torch.zeros(129, 256, dtype=torch.bfloat16), None, None, 4,
-                                    128, False)  # dequantize + cuBLAS  # fmt: skip
+    assert not mma.wint_mma_applies(torch.zeros(257, 256, dtype=torch.bfloat16), None, None, 4,
+                                    128, False)  # fmt: skip
+    assert not mma.wint_mma_applies(torch.zeros(129, 256, dtype=torch.bfloat16), None, None, 8,
+                                    256, False)  # fmt: skip
 
 
 @needs_triton
@@ -140,23 +144,26 @@ def test_wint_gemm_dispatches_decode_batches_to_wint_mma(monkeypatch, bits, grou
 
 
 @needs_triton
-def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch):
-    """65..MMA_MAX_M rows of a symmetric 8-bit layer go to wint_mma (a 128-row x tile), not to
-    dequantize + cuBLAS; the default tiles at that M, against float64."""
+@pytest.mark.parametrize("bits, group, rows", [(8, -1, 35), (4, 64, 100)])
+def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch, bits, group, rows):
+    """65..MMA_MAX_M rows of a symmetric layer go to wint_mma, not to dequantize + cuBLAS: 70
+    rows of 8-bit codes (one 128-row x tile), 200 of int4 (four 64-row x tiles); the default
+    tiles at that M, against float64."""
     calls = []
     real = qg.wint_mma_gemm
     monkeypatch.setattr(qg, "wint_mma_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(4)
-    qweight, scales, _, w64 = make_weight(64, 128, 8, -1, True, gen=gen)
-    x = torch.randn(2, 35, 128, generator=gen).half()
-    out = qg.wint_linear_triton(x, qweight, scales.half(), None, 8, -1)
-    assert calls == [1] and out.shape == (2, 35, 64)
-    assert_rel_close(out.reshape(70, 64), naive(x.reshape(70, 128), w64), 3e-3, "W8 70 rows")
+    qweight, scales, _, w64 = make_weight(64, 128, bits, group, True, gen=gen)
+    x = torch.randn(2, rows, 128, generator=gen).half()
+    out = qg.wint_linear_triton(x, qweight, scales.half(), None, bits, group)
+    assert calls == [1] and out.shape == (2, rows, 64)
+    assert_rel_close(out.reshape(2 * rows, 64), naive(x.reshape(2 * rows, 128), w64), 3e-3,
+                     f"W{bits} {2 * rows} rows")  # fmt: skip
 
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [3, 16, 64, 100])
+@pytest.mark.parametrize("m", [3, 16, 64, 100, 200])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1000, 4096)])
 def test_gpu_wint_mma_default_tiles(n, k, m, dtype):
     """The PTX decodes (lop3 + packed FMA) at Llama-3.1-8B shapes with the default tiles."""
@@ -168,8 +175,10 @@ def test_gpu_wint_mma_default_tiles(n, k, m, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
-def test_gpu_wint_mma_wide_n_tiles(bits, group):
-    """65-128 rows at the merged gate_up's N: 128-row tiles in 8 warps (the default there)."""
-    assert mma.wint_mma_tiles(100, 28672, 4096, 128, torch.device("cuda")).num_warps == 8
+@pytest.mark.parametrize("bits, group, warps", [(4, 128, 4), (8, -1, 8)])
+def test_gpu_wint_mma_wide_n_tiles(bits, group, warps):
+    """65-128 rows at the merged gate_up's N, the default tiles there: 8-bit codes 128 rows of W
+    in 8 warps against one 128-row x tile, int4 128 rows of W in 4 warps against 64-row ones."""
+    tiles = mma.wint_mma_tiles(100, 28672, 4096, group, bits, torch.device("cuda"))
+    assert tiles.num_warps == warps and tiles.block_n == 128
     _check(28672, 4096, bits, group, 100, torch.bfloat16, "cuda", tol=2e-2, seed=bits)
