@@ -45,7 +45,7 @@ MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
 # above (per code width): dequantize + cuBLAS, which won every Llama-3.1-8B shape at M = 512
 # and, for 8-bit codes, qkv and o_proj at 256 (results/h100/wint_mma_tiles.txt)
 MMA_MAX_M = {4: 256, 8: 128}
-MIN_STEPS_PER_SPLIT = 4  # fewer K steps a program starve its 3-stage pipeline
+MIN_STEPS_PER_SPLIT = 8  # K steps a program keeps when K is split (fewer: no further split)
 _COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
 
@@ -228,7 +228,7 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
 def _split(tiles: MmaTiles, out_tiles: int, steps: int, device: torch.device) -> int:
     """K split until the programs cover twice the SMs (once above 32 rows of x), keeping at
     least MIN_STEPS_PER_SPLIT steps a split (int4 o_proj at M = 64: 4 splits of 8 steps,
-    14.1 us, against 8 splits of 4, 17.3)."""
+    14.1 us, against 8 splits of 4, 17.3; down_proj's 112 steps still split 8 ways)."""
     target = (2 if tiles.block_m <= 32 else 1) * num_sms(device)
     split = 1
     while out_tiles * split < target and steps // (split * 2) >= MIN_STEPS_PER_SPLIT:

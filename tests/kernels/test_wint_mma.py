@@ -58,10 +58,11 @@ def test_wint_mma_smooth(bits, group):
 
 @needs_triton
 def test_wint_mma_default_split():
-    """split 0: K split by the default rule (nominal 8 SMs off CUDA: 2 row tiles of 16 steps
-    split 4 ways, not 8: each split keeps MIN_STEPS_PER_SPLIT = 4 steps)."""
-    assert mma._split(mma.MmaTiles(64, 0, 16), 2, 16, torch.device("cpu")) == 4
+    """split 0: K split by the default rule (nominal 8 SMs off CUDA, 16 programs wanted: 2 row
+    tiles of 64 steps split 8 ways; of 16 steps only 2 ways, each split keeping
+    MIN_STEPS_PER_SPLIT = 8 steps)."""
     assert mma._split(mma.MmaTiles(64, 0, 16), 2, 64, torch.device("cpu")) == 8
+    assert mma._split(mma.MmaTiles(64, 0, 16), 2, 16, torch.device("cpu")) == 2
     _check(72, 2048, 4, 128, 9, torch.float16, "cpu", mma.MmaTiles(64, 0, 16))
 
 
