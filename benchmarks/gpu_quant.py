@@ -287,20 +287,15 @@ SWEEPS = {
 Mt = qg.MmaTiles
 # the tensor-core weight-only GEMM (kiln/kernels/wint_mma.py) of decode batches, and past its
 # MMA_MAX_M (where the dispatch dequantizes and calls cuBLAS): split 0 is the default rule's
-SWEEPS["mma"] = {  # largest M first: the new x-row tiling past MMA_MAX_M, then decode batches
-    256: [Mt(128, 0, 128, num_warps=8, k_step=64), Mt(128, 1, 128, num_warps=8, k_step=64),
-          Mt(128, 2, 128, num_warps=8, k_step=64), Mt(64, 0, 128, k_step=64),
-          Mt(128, 0, 64, k_step=64)],
-    512: [Mt(128, 0, 128, num_warps=8, k_step=64), Mt(128, 1, 128, num_warps=8, k_step=64),
-          Mt(64, 0, 128, k_step=64)],
-    128: [Mt(128, 1, 128, num_warps=8, k_step=64), Mt(128, 2, 128, num_warps=8, k_step=64),
-          Mt(128, 0, 128, num_warps=8, num_stages=2, k_step=64), Mt(64, 1, 128, k_step=64),
-          Mt(64, 2, 128, k_step=64), Mt(128, 0, 64, k_step=64)],
-    64: [Mt(128, 1, 64, k_step=64), Mt(128, 2, 64, k_step=64), Mt(128, 4, 64, k_step=64),
-         Mt(128, 0, 64, num_stages=4, k_step=64), Mt(64, 0, 64, num_stages=4, k_step=64)],
-    16: [Mt(64, 2, 16, k_step=64), Mt(64, 4, 16, k_step=64), Mt(64, 8, 16, k_step=64),
-         Mt(64, 0, 16, num_stages=4, k_step=64), Mt(64, 0, 16, num_stages=5, k_step=64),
-         Mt(128, 0, 16, k_step=64)],
+SWEEPS["mma"] = {  # around the default tiles of wint_mma_tiles (sixteenth session, second sweep)
+    256: [Mt(128, 0, 64, num_stages=4, k_step=64), Mt(256, 0, 64, num_warps=8, k_step=64),
+          Mt(128, 0, 32, k_step=64), Mt(64, 0, 64, k_step=64),
+          Mt(128, 0, 64, num_warps=8, k_step=64)],
+    128: [Mt(128, 0, 64, num_stages=4, k_step=64), Mt(256, 0, 64, num_warps=8, k_step=64),
+          Mt(128, 0, 32, k_step=64), Mt(64, 0, 64, k_step=64), Mt(128, 1, 64, k_step=64)],
+    32: [Mt(128, 0, 32, k_step=64), Mt(64, 0, 32, num_stages=4, k_step=64),
+         Mt(128, 0, 32, num_stages=4, k_step=64)],
+    16: [Mt(128, 0, 16, k_step=64), Mt(128, 0, 16, num_stages=4, k_step=64)],
 }
 SWEEPS["full"] = {**SWEEPS["small"], 1: SWEEPS["small"][1] + [
     G(1, 32, 256), G(1, 8, 1024, num_warps=8), G(1, 16, 512, num_warps=8),
