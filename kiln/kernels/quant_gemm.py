@@ -15,7 +15,7 @@ FUSED_MAX_M rows a tensor-core tile kernel; above, one dequantization kernel int
 weight followed by cuBLAS (the same math, ``W`` rounded to x.dtype). The stored layout is
 kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): no kernel needs a repacked weight.
 Symmetric int4 and 8-bit integer codes without act-order at 16-bit x and 3 to
-wint_mma.MMA_MAX_M rows (8-bit codes: from 65) skip all three for kiln/kernels/wint_mma.py
+wint_mma.MMA_MAX_M rows (see wint_mma_applies) skip all three for kiln/kernels/wint_mma.py
 (codes decoded straight into tensor-core operands: faster than the tile kernel and the
 dequantization there), unless the caller forces a config.
 ``gated=True`` (Llama's merged gate/up projection) returns silu(gate) * up instead of y: the
@@ -851,7 +851,8 @@ def _mma_applies(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor | N
     """Whether kiln/kernels/wint_mma.py takes x [M, K] @ W^T (its words viewable as int32)."""
     k = x.shape[1]
     return _words(qweight, bits) is not None and wint_mma_applies(
-        x, zeros, perm, bits, k if group_size <= 0 else group_size, qweight.dtype == FP8_DTYPE)
+        x, qweight.shape[0], zeros, perm, bits, k if group_size <= 0 else group_size,
+        qweight.dtype == FP8_DTYPE)
 
 
 def wint_gemm_triton(

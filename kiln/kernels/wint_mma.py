@@ -45,6 +45,9 @@ MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
 # above (per code width): dequantize + cuBLAS, which won every Llama-3.1-8B shape at M = 512
 # and, for 8-bit codes, qkv and o_proj at 256 (results/h100/wint_mma_tiles.txt)
 MMA_MAX_M = {4: 256, 8: 128}
+# 8-bit codes at 3-64 rows: here only for weights of at most this many codes (qkv and o_proj of
+# Llama-3.1-8B: 25 and 17 M), quant_gemm's tile kernel for larger ones (wint_mma_applies)
+MMA_W8_SMALL_MAX_CODES = 1 << 25
 MIN_STEPS_PER_SPLIT = 8  # K steps a program keeps when K is split (fewer: no further split)
 _COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
@@ -185,19 +188,20 @@ def _per_channel_step(k: int) -> int | None:
     return next((step for step in (64, 32) if k % step == 0), None)
 
 
-def wint_mma_applies(x: torch.Tensor, zeros: torch.Tensor | None, perm: torch.Tensor | None,
-                     bits: int, group: int, w_fp8: bool) -> bool:
-    """Whether this kernel takes x [M, K] @ W^T for W's format (quant_gemm's arguments,
-    its words viewable as int32): symmetric int4 or 8-bit integer codes, group-wise (32, 64 or
-    128 dividing K) or per channel (K a multiple of 32), no act-order permutation, 16-bit x,
-    MMA_MIN_M <= M <= MMA_MAX_M[bits], and for 8-bit codes more than 64 rows. At 3-64 rows 8-bit
-    codes keep quant_gemm's tile kernel (results/h100/wint_mma.txt): per GEMM this kernel was
-    faster at qkv and gate_up but slower at down_proj (44.9 us against 32.3 at M = 16) and the
-    W8 LM head (288.5 against 209.2), and the int8 preset decoded 7% slower with it at batch 16
-    (2960 tok/s against 3157-3195) by more than those two account for."""
+def wint_mma_applies(x: torch.Tensor, n: int, zeros: torch.Tensor | None,
+                     perm: torch.Tensor | None, bits: int, group: int, w_fp8: bool) -> bool:
+    """Whether this kernel takes x [M, K] @ W^T for W's format (quant_gemm's arguments, W [N, K]
+    as int32 words): symmetric int4 or 8-bit integer codes, group-wise (32, 64 or 128 dividing
+    K) or per channel (K a multiple of 32), no act-order permutation, 16-bit x, MMA_MIN_M <= M
+    <= MMA_MAX_M[bits]; 8-bit codes at up to 64 rows only for weights of at most
+    MMA_W8_SMALL_MAX_CODES codes. There the H100 sweeps (results/h100/wint_mma.txt,
+    wint_mma_tiles.txt) have this kernel faster than quant_gemm's tile kernel at qkv and o_proj
+    (M = 16: 16.6 / 13.6 us against 18.8 / 16.5) and slower at down_proj (36.8-44.9 against
+    32.5) and the W8 LM head (288 against 209): the int8 preset with every 8-bit layer here
+    decoded 7% slower at batch 16."""
     m, k = x.shape
     grouping = group in _GROUPS and k % group == 0 or group >= k and _per_channel_step(k)
-    if bits not in MMA_MAX_M or bits == 8 and m <= 64:
+    if bits not in MMA_MAX_M or bits == 8 and m <= 64 and n * k > MMA_W8_SMALL_MAX_CODES:
         return False
     return (not w_fp8 and zeros is None and perm is None and bool(grouping)
             and x.dtype in (torch.bfloat16, torch.float16) and MMA_MIN_M <= m <= MMA_MAX_M[bits])

@@ -94,34 +94,35 @@ def test_wint_mma_tiles_x_rows(bits, group, split):
     assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
+def _applies(m, bits=4, group=128, k=256, n=64, zeros=None, perm=None, fp8=False,
+             dtype=torch.bfloat16):
+    x = torch.zeros(m, k, dtype=dtype)
+    return mma.wint_mma_applies(x, n, zeros, perm, bits, group, fp8)
+
+
 def test_wint_mma_applies_only_to_its_formats():
-    x = torch.zeros(8, 256, dtype=torch.bfloat16)
-    zeros = torch.zeros(4, 2, dtype=torch.uint8)
-    assert mma.wint_mma_applies(x, None, None, 4, 128, False)
-    assert mma.wint_mma_applies(x, None, None, 4, 256, False)  # per channel
-    x100 = torch.zeros(100, 256, dtype=torch.bfloat16)
-    assert mma.wint_mma_applies(x100, None, None, 8, 256, False)
-    assert not mma.wint_mma_applies(x100, None, None, 8, 256, True)  # e4m3 weights
-    assert not mma.wint_mma_applies(x, zeros, None, 4, 128, False)  # asymmetric
-    assert not mma.wint_mma_applies(x, None, torch.arange(256), 4, 128, False)  # act-order
-    assert not mma.wint_mma_applies(torch.zeros(8, 512, dtype=torch.bfloat16), None, None, 4,
-                                    256, False)  # group wider than a K step  # fmt: skip
-    assert not mma.wint_mma_applies(torch.zeros(8, 48, dtype=torch.bfloat16), None, None, 4, 48,
-                                    False)  # per channel, K not a multiple of 32  # fmt: skip
-    assert not mma.wint_mma_applies(x.float(), None, None, 4, 128, False)
-    # 8-bit codes: quant_gemm's tile kernel up to 64 rows, this kernel at 65..128
-    assert not mma.wint_mma_applies(torch.zeros(64, 256, dtype=torch.bfloat16), None, None, 8,
-                                    256, False)  # fmt: skip
-    assert mma.wint_mma_applies(torch.zeros(65, 256, dtype=torch.bfloat16), None, None, 8, 256,
-                                False)  # fmt: skip
-    assert not mma.wint_mma_applies(x[:2], None, None, 4, 128, False)  # the GEMV's rows
-    # past MMA_MAX_M rows (int4: 256, 8-bit codes: 128): dequantize + cuBLAS
-    assert mma.wint_mma_applies(torch.zeros(256, 256, dtype=torch.bfloat16), None, None, 4, 128,
-                                False)  # fmt: skip
-    assert not mma.wint_mma_applies(torch.zeros(257, 256, dtype=torch.bfloat16), None, None, 4,
-                                    128, False)  # fmt: skip
-    assert not mma.wint_mma_applies(torch.zeros(129, 256, dtype=torch.bfloat16), None, None, 8,
-                                    256, False)  # fmt: skip
+    assert _applies(8) and _applies(8, group=256)  # group-wise, per channel
+    assert _applies(100, bits=8, group=256)
+    assert not _applies(100, bits=8, group=256, fp8=True)  # e4m3 weights
+    assert not _applies(8, zeros=torch.zeros(4, 2, dtype=torch.uint8))  # asymmetric
+    assert not _applies(8, perm=torch.arange(256))  # act-order
+    assert not _applies(8, group=256, k=512)  # group wider than a K step
+    assert not _applies(8, group=48, k=48)  # per channel, K not a multiple of 32
+    assert not _applies(8, dtype=torch.float32)
+    assert not _applies(2)  # the GEMV's rows
+
+
+def test_wint_mma_applies_by_rows_and_size():
+    """int4 at 3..256 rows; 8-bit codes at 65..128, and at 3..64 only for weights of at most
+    MMA_W8_SMALL_MAX_CODES codes (quant_gemm's tile kernel for larger ones); past the largest
+    M, dequantize + cuBLAS."""
+    assert _applies(256) and not _applies(257)
+    assert _applies(65, bits=8, group=256) and _applies(128, bits=8, group=256)
+    assert not _applies(129, bits=8, group=256)
+    small_n = mma.MMA_W8_SMALL_MAX_CODES // 4096  # qkv-sized at K = 4096
+    assert _applies(16, bits=8, group=4096, k=4096, n=small_n)
+    assert not _applies(16, bits=8, group=4096, k=4096, n=small_n + 1)
+    assert _applies(100, bits=8, group=4096, k=4096, n=small_n + 1)
 
 
 @needs_triton
