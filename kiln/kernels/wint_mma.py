@@ -45,8 +45,10 @@ MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
 # above (per code width): dequantize + cuBLAS, which won every Llama-3.1-8B shape at M = 512
 # and, for 8-bit codes, qkv and o_proj at 256 (results/h100/wint_mma_tiles.txt)
 MMA_MAX_M = {4: 256, 8: 128}
-# 8-bit codes at 3-64 rows: here only for weights of at most this many codes (qkv and o_proj of
-# Llama-3.1-8B: 25 and 17 M), quant_gemm's tile kernel for larger ones (wint_mma_applies)
+# 8-bit codes up to 64 rows: here only at up to MMA_W8_SMALL_MAX_M rows and for weights of at most
+# MMA_W8_SMALL_MAX_CODES codes (qkv and o_proj of Llama-3.1-8B: 25 and 17 M), else quant_gemm's
+# tile kernel (wint_mma_applies)
+MMA_W8_SMALL_MAX_M = 32
 MMA_W8_SMALL_MAX_CODES = 1 << 25
 MIN_STEPS_PER_SPLIT = 8  # K steps a program keeps when K is split (fewer: no further split)
 _COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
@@ -193,15 +195,20 @@ def wint_mma_applies(x: torch.Tensor, n: int, zeros: torch.Tensor | None,
     """Whether this kernel takes x [M, K] @ W^T for W's format (quant_gemm's arguments, W [N, K]
     as int32 words): symmetric int4 or 8-bit integer codes, group-wise (32, 64 or 128 dividing
     K) or per channel (K a multiple of 32), no act-order permutation, 16-bit x, MMA_MIN_M <= M
-    <= MMA_MAX_M[bits]; 8-bit codes at up to 64 rows only for weights of at most
-    MMA_W8_SMALL_MAX_CODES codes. There the H100 sweeps (results/h100/wint_mma.txt,
-    wint_mma_tiles.txt) have this kernel faster than quant_gemm's tile kernel at qkv and o_proj
-    (M = 16: 16.6 / 13.6 us against 18.8 / 16.5) and slower at down_proj (36.8-44.9 against
-    32.5) and the W8 LM head (288 against 209): the int8 preset with every 8-bit layer here
-    decoded 7% slower at batch 16."""
+    <= MMA_MAX_M[bits]; 8-bit codes at up to 64 rows only at 3..MMA_W8_SMALL_MAX_M rows of
+    weights of at most MMA_W8_SMALL_MAX_CODES codes. There the H100 sweeps
+    (results/h100/wint_mma.txt, wint_mma_tiles.txt) have this kernel faster than quant_gemm's
+    tile kernel at qkv and o_proj (M = 16: 16.5 / 16.2 us against 18.8 / 16.5; M = 32: 18.1 /
+    16.3 against 24.5 / 19.3) and slower at down_proj (36.8-44.9 against 32.5) and the W8 LM
+    head (288 against 209): the int8 preset decoded 7% slower at batch 16 with every 8-bit
+    layer here, 2.4-2.6% faster at batch 16 and 32 with qkv and o_proj. At 33-64 rows qkv and
+    o_proj are faster here alone (25.7 / 17.8 against 26.1 / 21.0 at M = 64), but the int8
+    preset decoded 1-1.7% slower at batch 64 with them here, in three A/B runs (not
+    understood)."""
     m, k = x.shape
     grouping = group in _GROUPS and k % group == 0 or group >= k and _per_channel_step(k)
-    if bits not in MMA_MAX_M or bits == 8 and m <= 64 and n * k > MMA_W8_SMALL_MAX_CODES:
+    w8_small = m <= MMA_W8_SMALL_MAX_M and n * k <= MMA_W8_SMALL_MAX_CODES
+    if bits not in MMA_MAX_M or bits == 8 and m <= 64 and not w8_small:
         return False
     return (not w_fp8 and zeros is None and perm is None and bool(grouping)
             and x.dtype in (torch.bfloat16, torch.float16) and MMA_MIN_M <= m <= MMA_MAX_M[bits])

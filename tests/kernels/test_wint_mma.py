@@ -113,9 +113,9 @@ def test_wint_mma_applies_only_to_its_formats():
 
 
 def test_wint_mma_applies_by_rows_and_size():
-    """int4 at 3..256 rows; 8-bit codes at 65..128, and at 3..64 only for weights of at most
-    MMA_W8_SMALL_MAX_CODES codes (quant_gemm's tile kernel for larger ones); past the largest
-    M, dequantize + cuBLAS."""
+    """int4 at 3..256 rows; 8-bit codes at 65..128, and at 3..MMA_W8_SMALL_MAX_M (32) only for
+    weights of at most MMA_W8_SMALL_MAX_CODES codes (quant_gemm's tile kernel for larger ones
+    and at 33..64 rows); past the largest M, dequantize + cuBLAS."""
     assert _applies(256) and not _applies(257)
     assert _applies(65, bits=8, group=256) and _applies(128, bits=8, group=256)
     assert not _applies(129, bits=8, group=256)
@@ -123,6 +123,8 @@ def test_wint_mma_applies_by_rows_and_size():
     assert _applies(16, bits=8, group=4096, k=4096, n=small_n)
     assert not _applies(16, bits=8, group=4096, k=4096, n=small_n + 1)
     assert _applies(100, bits=8, group=4096, k=4096, n=small_n + 1)
+    assert _applies(32, bits=8, group=4096, k=4096, n=small_n)
+    assert not _applies(33, bits=8, group=4096, k=4096, n=small_n)
 
 
 @needs_triton
