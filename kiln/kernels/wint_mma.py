@@ -50,7 +50,7 @@ MMA_MAX_M = {4: 256, 8: 128}
 # tile kernel (wint_mma_applies)
 MMA_W8_SMALL_MAX_M = 32
 MMA_W8_SMALL_MAX_CODES = 1 << 25
-MIN_K_PER_SPLIT = 1024  # codes of K a program keeps when K is split (fewer: no further split)
+MIN_STEPS_PER_SPLIT = 8  # K steps a program keeps when K is split (fewer: no further split)
 _COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
 
@@ -236,14 +236,13 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
     return MmaTiles(64, 0, 128, k_step=k_step)
 
 
-def _split(tiles: MmaTiles, out_tiles: int, k: int, device: torch.device) -> int:
+def _split(tiles: MmaTiles, out_tiles: int, steps: int, device: torch.device) -> int:
     """K split until the programs cover twice the SMs (once above 32 rows of x), keeping at
-    least MIN_K_PER_SPLIT codes of K a split, whatever the code width and K step (H100,
-    wint_mma_tiles.txt: o_proj, K = 4096, in 4 splits, not 8: int4 at M = 64 14.1 us against
-    17.3, 8-bit codes at M = 16 13.6 against 16.1; down_proj, K = 14336, still splits 8 ways)."""
+    least MIN_STEPS_PER_SPLIT steps a split (int4 o_proj at M = 64: 4 splits of 8 steps,
+    14.1 us, against 8 splits of 4, 17.3; down_proj's 112 steps still split 8 ways)."""
     target = (2 if tiles.block_m <= 32 else 1) * num_sms(device)
     split = 1
-    while out_tiles * split < target and k // (split * 2) >= MIN_K_PER_SPLIT:
+    while out_tiles * split < target and steps // (split * 2) >= MIN_STEPS_PER_SPLIT:
         split *= 2
     return split
 
@@ -268,7 +267,7 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     assert x_tiles * row_tiles <= _COUNTER_CAPACITY, \
         f"{m} x {n}: more output tiles than the split-K counters"
     step_w = k_step // cpw
-    split = tiles.split or _split(tiles, x_tiles * row_tiles, k, x.device)
+    split = tiles.split or _split(tiles, x_tiles * row_tiles, k // k_step, x.device)
     steps_per_split = -(-(kw // step_w) // split)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     parts = (torch.empty(x_tiles * row_tiles * split * tiles.block_n * tiles.block_m,

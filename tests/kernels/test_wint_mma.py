@@ -59,10 +59,10 @@ def test_wint_mma_smooth(bits, group):
 @needs_triton
 def test_wint_mma_default_split():
     """split 0: K split by the default rule (nominal 8 SMs off CUDA, 16 programs wanted: 2 row
-    tiles of K = 8192 split 8 ways; K = 2048 only 2 ways, each split keeping MIN_K_PER_SPLIT =
-    1024 codes)."""
-    assert mma._split(mma.MmaTiles(64, 0, 16), 2, 8192, torch.device("cpu")) == 8
-    assert mma._split(mma.MmaTiles(64, 0, 16), 2, 2048, torch.device("cpu")) == 2
+    tiles of 64 steps split 8 ways; of 16 steps only 2 ways, each split keeping
+    MIN_STEPS_PER_SPLIT = 8 steps)."""
+    assert mma._split(mma.MmaTiles(64, 0, 16), 2, 64, torch.device("cpu")) == 8
+    assert mma._split(mma.MmaTiles(64, 0, 16), 2, 16, torch.device("cpu")) == 2
     _check(72, 2048, 4, 128, 9, torch.float16, "cpu", mma.MmaTiles(64, 0, 16))
 
 
