@@ -239,7 +239,9 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
 def _split(tiles: MmaTiles, out_tiles: int, steps: int, device: torch.device) -> int:
     """K split until the programs cover twice the SMs (once above 32 rows of x), keeping at
     least MIN_STEPS_PER_SPLIT steps a split (int4 o_proj at M = 64: 4 splits of 8 steps,
-    14.1 us, against 8 splits of 4, 17.3; down_proj's 112 steps still split 8 ways)."""
+    14.1 us, against 8 splits of 4, 17.3; down_proj's 112 steps still split 8 ways). Counted in
+    codes instead (8-bit codes' o_proj at up to 32 rows in 4 splits: 13.6 us alone against 16.2
+    in 8) it made the int8 preset decode 2-4% slower (results/h100/wint_mma_tiles.txt, 7.)."""
     target = (2 if tiles.block_m <= 32 else 1) * num_sms(device)
     split = 1
     while out_tiles * split < target and steps // (split * 2) >= MIN_STEPS_PER_SPLIT:
