@@ -203,8 +203,9 @@ def wint_mma_applies(x: torch.Tensor, n: int, zeros: torch.Tensor | None,
     head (288 against 209): the int8 preset decoded 7% slower at batch 16 with every 8-bit
     layer here, 2.4-2.6% faster at batch 16 and 32 with qkv and o_proj. At 33-64 rows qkv and
     o_proj are faster here alone (25.7 / 17.8 against 26.1 / 21.0 at M = 64), but the int8
-    preset decoded 1-1.7% slower at batch 64 with them here, in three A/B runs (not
-    understood)."""
+    preset decoded 1-1.7% slower at batch 64 with them here, in three A/B runs: the time of this
+    kernel alone in a graph of itself misjudges its time between the engine's kernels
+    (wint_mma_tiles.txt 7. and 8.; why is not known), so its dispatch follows engine runs."""
     m, k = x.shape
     grouping = group in _GROUPS and k % group == 0 or group >= k and _per_channel_step(k)
     w8_small = m <= MMA_W8_SMALL_MAX_M and n * k <= MMA_W8_SMALL_MAX_CODES
