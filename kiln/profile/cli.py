@@ -41,6 +41,15 @@ def summary_markdown(result: dict[str, Any], top: int) -> str:
           None if r["bytes"] is None else r["bytes"] / 1e6,
           r["tflops"], r["gbps"], r["intensity"], r["bound"] or "—",
           None if r["roof_fraction"] is None else 100 * r["roof_fraction"]] for r in rows])
+    launches = m.get("launches") or []
+    if launches:
+        md += (f"\n## top {min(top, len(launches))} of {len(launches)} launch configurations "
+               "(device kernels by grid and block: one row per layer shape of a shared kernel)"
+               "\n\n")
+        md += markdown_table(
+            ["kernel", "grid", "block", "calls", "ms", "mean us"],
+            [[r["name"], r["grid"], r["block"], r["calls"], r["time_us"] / 1e3, r["mean_us"]]
+             for r in launches[:top]])
     return md
 
 

@@ -7,6 +7,7 @@ unrecorded (skip the prefill to look at decode only), then ``num_steps`` steps a
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from kiln.engine.gc_heap import finite_loop_heap
 from kiln.models.loader import resolve_device
 from kiln.profile.annotate import PHASES, PREFIX, annotate_engine, step_range
 from kiln.profile.kernels import collect_rows, table
+from kiln.profile.launches import launch_rows
 
 
 @dataclass
@@ -77,6 +79,7 @@ def run_profile(cfg: ProfileConfig, output_dir: Path) -> dict[str, Any]:
         nvtx = device.type == "cuda"
         step_ms: list[float] = []
         events: list[Any] = []
+        launches: list[dict[str, Any]] = []
         output_dir.mkdir(parents=True, exist_ok=True)
         with annotate_engine(engine, nvtx):
             if cfg.torch_profiler:
@@ -88,6 +91,8 @@ def run_profile(cfg: ProfileConfig, output_dir: Path) -> dict[str, Any]:
                     step_ms = [_step(engine, i, nvtx, device)[0] for i in range(cfg.num_steps)]
                 prof.export_chrome_trace(str(output_dir / "trace.json"))
                 events = list(prof.events())
+                with open(output_dir / "trace.json") as f:
+                    launches = launch_rows(json.load(f))
             else:
                 step_ms = [_step(engine, i, nvtx, device)[0] for i in range(cfg.num_steps)]
         engine.run_to_completion()
@@ -101,7 +106,7 @@ def run_profile(cfg: ProfileConfig, output_dir: Path) -> dict[str, Any]:
                "kernel_time_us": sum(r["time_us"] for r in rows),
                "kernel_time_source": "device kernels" if device.type == "cuda"
                else "self CPU time of aten ops",
-               "kernels": rows}
+               "kernels": rows, "launches": launches}
     config = {k: v for k, v in asdict(cfg).items() if k != "engine_kwargs"}
     config.update(engine=cfg.engine_kwargs, engine_defaults=offline.BENCH_ENGINE_DEFAULTS,
                   dtype=str(engine.loaded.dtype),

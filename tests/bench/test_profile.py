@@ -11,7 +11,9 @@ from click.testing import CliRunner
 
 from kiln.cli import main
 from kiln.profile.annotate import annotate_engine
+from kiln.profile.cli import summary_markdown
 from kiln.profile.kernels import collect_rows, estimate, table
+from kiln.profile.launches import launch_rows
 
 
 def test_gemm_estimates_from_shapes():
@@ -83,6 +85,29 @@ def test_cuda_rows_attribute_kernels_to_ops():
     assert sum(r.time_us for r in rows.values()) == 165.0
 
 
+def test_launch_rows_tell_one_kernels_layers_apart():
+    """Kernel events grouped by (name, grid, block): the same Triton kernel at two grids gives
+    two rows; CPU ops, instants and flows are not kernels; a kernel without launch args still
+    counts (grid "?")."""
+    def kernel(name, dur, grid=None, block=(128, 1, 1)):
+        args = {} if grid is None else {"grid": list(grid), "block": list(block)}
+        return {"ph": "X", "cat": "kernel", "name": name, "dur": dur, "args": args}
+
+    trace = {"traceEvents": [
+        kernel("_wint_mma_kernel", 10.0, (1, 96, 4)), kernel("_wint_mma_kernel", 12.0, (1, 96, 4)),
+        kernel("_wint_mma_kernel", 30.0, (1, 64, 8)), kernel("Memcpy HtoD", 1.5),
+        {"ph": "X", "cat": "cpu_op", "name": "_wint_mma_kernel", "dur": 99.0, "args": {}},
+        {"ph": "i", "cat": "kernel", "name": "_wint_mma_kernel", "args": {}},
+        {"ph": "f", "cat": "ac2g", "name": "launch"},
+    ]}
+    rows = launch_rows(trace)
+    assert [(r["name"], r["grid"], r["calls"], r["time_us"]) for r in rows] == [
+        ("_wint_mma_kernel", "1x64x8", 1, 30.0), ("_wint_mma_kernel", "1x96x4", 2, 22.0),
+        ("Memcpy HtoD", "?", 1, 1.5)]
+    assert rows[1]["mean_us"] == 11.0 and rows[1]["block"] == "128x1x1"
+    assert launch_rows({}) == []
+
+
 def test_annotate_engine_wraps_and_restores(tiny_llama):
     from kiln.llm import LLM
 
@@ -140,7 +165,14 @@ def test_profile_command_on_tiny_model(tiny_llama, tmp_path):
     gemms = [r for r in rows if r["name"] in ("aten::mm", "aten::addmm")]
     assert gemms and all(r["flops"] > 0 and r["bound"] in ("compute", "memory")
                          for r in gemms)
-    assert "| kernel / op |" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| kernel / op |" in summary
+    assert m["launches"] == [] and "launch configurations" not in summary  # no device kernels
+    m["launches"] = [{"name": "_gemm_kernel", "grid": "1x128x1", "block": "128x1x1",
+                      "calls": 64, "time_us": 900.0, "mean_us": 14.0625}]
+    with_launches = summary_markdown(result, top=5)
+    assert "top 1 of 1 launch configurations" in with_launches
+    assert "| _gemm_kernel | 1x128x1 | 128x1x1 | 64 |" in with_launches
 
 
 def test_profile_nvtx_only_runs_without_torch_profiler(tiny_llama, tmp_path):
