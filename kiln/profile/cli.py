@@ -98,7 +98,8 @@ def profile_command(model: str, batch_size: int, input_len: int, num_steps: int,
                     skip_steps: int, peak_gbps: float | None, peak_tflops: float | None,
                     top: int, nvtx_only: bool, output_dir: str | None,
                     engine_kwargs: dict[str, Any]) -> None:
-    """Profile N engine steps: Chrome trace, per-kernel table, roofline (NVTX on CUDA)."""
+    """Profile N engine steps: Chrome trace, per-kernel and per-launch-grid tables, roofline
+    (NVTX on CUDA)."""
     from kiln.bench.result import default_output_dir, write_result
     from kiln.profile.roofline import plot_roofline
     from kiln.profile.run import ProfileConfig, run_profile
