@@ -1,4 +1,4 @@
-"""``kiln profile``: trace N engine steps; per-kernel table and roofline into an output folder."""
+"""``kiln profile``: trace N engine steps; per-kernel and per-launch-grid tables and a roofline."""
 
 from __future__ import annotations
 

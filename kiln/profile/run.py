@@ -1,4 +1,5 @@
-"""``kiln profile``: a torch.profiler trace of N engine steps, a per-kernel table and a roofline.
+"""``kiln profile``: a torch.profiler trace of N engine steps, per-kernel and per-launch-grid tables
+and a roofline.
 
 The engine first runs one batch of the same shape (so Triton compilation and allocator growth
 stay out of the trace), then ``batch_size`` fresh prompts are added and ``skip_steps`` steps run
