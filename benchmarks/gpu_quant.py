@@ -16,8 +16,13 @@
    CUDA-core GEMV, the tensor-core word kernel; GemmConfig: the tile kernel) at M = 1..16,
    each checked against float64 and timed next to the current default ("default" rows); the
    best ones are what quant_gemm._gemv_config should pick. ``--sweep mma``: tiles of the
-   tensor-core weight-only GEMM (kiln/kernels/wint_mma.MmaTiles) at 16-512 rows, next to bf16
-   cuBLAS and the dispatching wrapper.
+   tensor-core weight-only GEMM (kiln/kernels/wint_mma.MmaTiles) at decode batch sizes, next to
+   bf16 cuBLAS and the dispatching wrapper.
+
+A GEMM timed here runs in a graph of itself. For 8-bit codes that disagreed with the same
+kernels inside the engine's step by up to 25% and ranked two split counts the other way round
+(benchmarks/results/h100/wint_mma_tiles.txt, 7.-9.): confirm a choice with ``kiln profile``
+(its launch-grid table) and an end-to-end A/B before making it a default.
 
 GB/s counts the weight bytes read (packed codes + scales + zeros) plus activations in and out;
 the W4A16 GEMV target is >= 70% of the 2831 GB/s copy bandwidth (shared/GPU.md). At M = 1 the
@@ -285,9 +290,9 @@ SWEEPS = {
     },
 }
 Mt = qg.MmaTiles
-# the tensor-core weight-only GEMM (kiln/kernels/wint_mma.py) of decode batches, and past its
-# MMA_MAX_M (where the dispatch dequantizes and calls cuBLAS): split 0 is the default rule's
-SWEEPS["mma"] = {  # around the default tiles of wint_mma_tiles (sixteenth session, second sweep)
+# the tensor-core weight-only GEMM (kiln/kernels/wint_mma.py): candidates around the default
+# tiles of wint_mma_tiles (the sixteenth session's second sweep); split 0 is the default rule's
+SWEEPS["mma"] = {
     256: [Mt(128, 0, 64, num_stages=4, k_step=64), Mt(256, 0, 64, num_warps=8, k_step=64),
           Mt(128, 0, 32, k_step=64), Mt(64, 0, 64, k_step=64),
           Mt(128, 0, 64, num_warps=8, k_step=64)],

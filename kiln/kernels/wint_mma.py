@@ -30,7 +30,7 @@ against 240 for the tile kernel this replaced and 166 for bf16 cuBLAS; 112 at M 
 329 and 169. At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2. Past 64 rows it
 replaced dequantize + cuBLAS, 1.2-2.1x slower (wint_mma.txt: int4 208 us a layer at M = 128
 against 389; bf16 cuBLAS 177), up to 256 rows for int4 (wint_mma_tiles.txt) and 128 for 8-bit
-codes, which run here only past 64 rows (see wint_mma_applies).
+codes, which below 65 rows run here only for small weights at up to 32 rows (wint_mma_applies).
 """
 
 from __future__ import annotations
