@@ -12,9 +12,9 @@ for fp16); one packed FMA then subtracts the offset, exactly:
   8-bit: t = 128 + (u & 127), c = -256 or -128 (u's top bit, a second lop3), u - 128 = t + c
 (bf16 holds 8 significant bits, so 128 + u itself would not be exact for 8-bit codes). The
 decoded [BLOCK_N, K step] tile goes through tl.dot against x, whose columns are permuted the
-same way (a reduction does not care about order). Group-wise scales (one group a K step)
-multiply the decoded pairs in the same asm, a third packed FMA (w s + -0), so every step's MMA
-accumulates into one float32 accumulator; per-channel scales multiply it once at the end.
+same way (a reduction does not care about order). Group-wise scales multiply each group's
+float32 result before it joins the accumulator (one group a K step); per-channel scales
+multiply the accumulator once at the end.
 
 K is split over ``split`` programs per tile of rows, so that every SM has work when N alone
 gives too few tiles; the last program of a tile to finish adds the float32 partials in split
@@ -54,26 +54,22 @@ MIN_STEPS_PER_SPLIT = 8  # K steps a program keeps when K is split (fewer: no fu
 _COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
 
-
-def _decode_asm(bits: int, bf16: bool, scaled: bool) -> str:
-    """PTX for one asm instance: the shifted word in $1 ($2 is the same register), the decoded
-    pair out in $0 and, if scaled, the pair's scale (twice, one 16-bit float each half) in $3.
-    w s + -0 rounds the exact product once, to the dequantized weight in x's dtype."""
-    ty = "bf16x2" if bf16 else "f16x2"
-    one, magic = ("0x3F803F80", "0x43004300") if bf16 else ("0x3C003C00", "0x64006400")
-    # lop3 0xEA: (a & b) | c; 0x6A: (a & b) ^ c
-    if bits == 4:  # c: -(128 + 8), -(1024 + 8)
-        c = f"mov.b32 c, {'0xC308C308' if bf16 else '0xE408E408'}; "
-        mask = "0x000F000F"
-    else:  # c: -256 / -1152, turned into -128 / -1024 by the code's top bit
-        c = f"lop3.b32 c, $1, 0x00800080, {'0xC380C380' if bf16 else '0xE480E480'}, 0x6A; "
-        mask = "0x007F007F"
-    decoded = "v" if scaled else "$0"
-    asm = (f"{{ .reg .b32 t, c, one, v, nz; mov.b32 one, {one}; {c}"
-           f"lop3.b32 t, $1, {mask}, {magic}, 0xEA; fma.rn.{ty} {decoded}, t, one, c; ")
-    if scaled:
-        asm += f"mov.b32 nz, 0x80008000; fma.rn.{ty} $0, v, $3, nz; "
-    return asm + "}"
+# per asm instance: the shifted word in $1 ($2 is the same register), the pair out in $0
+_DECODE4_BF16 = tl.constexpr(
+    "{ .reg .b32 t, one, off; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; "
+    "lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 $0, t, one, off; }")
+_DECODE4_F16 = tl.constexpr(
+    "{ .reg .b32 t, one, off; mov.b32 one, 0x3C003C00; mov.b32 off, 0xE408E408; "
+    "lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; fma.rn.f16x2 $0, t, one, off; }")
+# 0xEA: (a & b) | c; 0x6A: (a & b) ^ c (the top bit set turns -256 / -1152 into -128 / -1024)
+_DECODE8_BF16 = tl.constexpr(
+    "{ .reg .b32 t, c, one; mov.b32 one, 0x3F803F80; "
+    "lop3.b32 t, $1, 0x007F007F, 0x43004300, 0xEA; lop3.b32 c, $1, 0x00800080, 0xC380C380, 0x6A; "
+    "fma.rn.bf16x2 $0, t, one, c; }")
+_DECODE8_F16 = tl.constexpr(
+    "{ .reg .b32 t, c, one; mov.b32 one, 0x3C003C00; "
+    "lop3.b32 t, $1, 0x007F007F, 0x64006400, 0xEA; lop3.b32 c, $1, 0x00800080, 0xE480E480, 0x6A; "
+    "fma.rn.f16x2 $0, t, one, c; }")
 
 
 @dataclass(frozen=True)
@@ -87,37 +83,25 @@ class MmaTiles:
 
 
 @triton.jit
-def _code_pairs(shifted, BITS: tl.constexpr, ASM: tl.constexpr, dtype: tl.constexpr, scale):
+def _code_pairs(shifted, BITS: tl.constexpr, ASM: tl.constexpr, dtype: tl.constexpr):
     """shifted [..., H] (a word >> BITS i) -> [..., H, 2] in dtype: the codes i and i + H of the
-    word, less 2^(BITS - 1), times scale [rows] (in dtype, one a row) unless it is None. ASM:
-    _decode_asm's PTX for these arguments, or "" (the interpreter) for the same values by
-    integer and float32 ops."""
-    if ASM != "":  # nested ifs: each folds at compile time, so one branch's type is all there is
+    word, less 2^(BITS - 1)."""
+    if ASM:  # nested ifs: each folds at compile time, so one branch's type is all there is
         pair = tl.join(shifted, shifted)  # (inline asm takes literal dtypes, not a constexpr one)
-        if scale is None:
-            if dtype == tl.bfloat16:
-                return tl.inline_asm_elementwise(ASM, "=r,r,r", [pair], dtype=tl.bfloat16,
-                                                 is_pure=True, pack=2)
-            else:
-                return tl.inline_asm_elementwise(ASM, "=r,r,r", [pair], dtype=tl.float16,
-                                                 is_pure=True, pack=2)
+        if dtype == tl.bfloat16:
+            asm: tl.constexpr = _DECODE4_BF16 if BITS == 4 else _DECODE8_BF16
+            return tl.inline_asm_elementwise(asm, "=r,r,r", [pair], dtype=tl.bfloat16,
+                                             is_pure=True, pack=2)
         else:
-            rows = tl.broadcast_to(scale[:, None, None], shifted.shape)
-            scales = tl.join(rows, rows)
-            if dtype == tl.bfloat16:
-                return tl.inline_asm_elementwise(ASM, "=r,r,r,r", [pair, scales],
-                                                 dtype=tl.bfloat16, is_pure=True, pack=2)
-            else:
-                return tl.inline_asm_elementwise(ASM, "=r,r,r,r", [pair, scales],
-                                                 dtype=tl.float16, is_pure=True, pack=2)
+            asm: tl.constexpr = _DECODE4_F16 if BITS == 4 else _DECODE8_F16
+            return tl.inline_asm_elementwise(asm, "=r,r,r", [pair], dtype=tl.float16,
+                                             is_pure=True, pack=2)
+    # the interpreter runs no PTX: the same values with integer ops
     mask: tl.constexpr = (1 << BITS) - 1
     zero: tl.constexpr = 1 << (BITS - 1)
     lo = (shifted & mask) - zero
     hi = ((shifted >> 16) & mask) - zero
-    codes = tl.join(lo, hi).to(tl.float32)
-    if scale is not None:
-        codes = codes * scale.to(tl.float32)[:, None, None, None]
-    return codes.to(dtype)
+    return tl.join(lo, hi).to(tl.float32).to(dtype)
 
 
 @triton.jit
@@ -129,8 +113,8 @@ def _wint_mma_kernel(
     BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out^T [BLOCK_N, BLOCK_M] of one (row tile, x tile) over 1/SPLIT of K, STEP_W words a row
-    per step: acc += W [BLOCK_N, BK] @ x^T [BK, BLOCK_M], W the codes times the step's scale
-    group if GROUPED, else the codes alone and the rows' scales at the end. x tiles are the fastest grid axis, so the programs
+    per step: acc += W_codes [BLOCK_N, BK] @ x^T [BK, BLOCK_M], times the step's scale group if
+    GROUPED, else the row's scale at the end. x tiles are the fastest grid axis, so the programs
     that share a weight tile run together and read it from HBM once."""
     CPW: tl.constexpr = 32 // BITS  # codes per word
     H: tl.constexpr = CPW // 2
@@ -150,12 +134,7 @@ def _wint_mma_kernel(
     wait_for_inputs(USE_PDL)
     for kw0 in range(kw_begin, tl.minimum(kw_begin + kw_per_split, KW), STEP_W):
         words = tl.load(w_rows + (kw0 + offs_w)[None, :])  # [BLOCK_N, STEP_W]
-        shifted = words[:, :, None] >> shifts[None, None, :]
-        if GROUPED:  # the step's scale group, folded into the decoded weights
-            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)
-            w = _code_pairs(shifted, BITS, ASM, dt, s.to(dt))
-        else:
-            w = _code_pairs(shifted, BITS, ASM, dt, None)
+        w = _code_pairs(words[:, :, None] >> shifts[None, None, :], BITS, ASM, dt)
         w = tl.reshape(w, [BLOCK_N, BK])  # column CPW c + 2 i + h holds code CPW c + i + H h
         k = kw0 * CPW + tl.arange(0, BK)
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BK]
@@ -163,7 +142,11 @@ def _wint_mma_kernel(
             x = (x.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[None, :]).to(dt)
         x = tl.permute(tl.reshape(x, [BLOCK_M, STEP_W, 2, H]), (0, 1, 3, 2))  # the codes' order
         xt = tl.trans(tl.reshape(x, [BLOCK_M, BK]))
-        acc = tl.dot(w, xt, acc)
+        if GROUPED:
+            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W).to(tl.float32)
+            acc += tl.dot(w, xt) * s[:, None]
+        else:
+            acc = tl.dot(w, xt, acc)
     if not GROUPED:
         acc = acc * tl.load(s_ptr + rows * stride_sn).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -297,8 +280,7 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
         x, words, scales, smooth if smooth is not None else scales, out, parts, counters,
         m, n, kw, steps_per_split * step_w, x.stride(0), words.stride(0), scales.stride(0),
         out.stride(0), BITS=bits, STEP_W=step_w, GROUPED=grouped,
-        HAS_SMOOTH=smooth is not None, SPLIT=split,
-        ASM=_decode_asm(bits, x.dtype == torch.bfloat16, grouped) if x.is_cuda else "",
+        HAS_SMOOTH=smooth is not None, SPLIT=split, ASM=x.is_cuda,
         BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x.device),
     )  # fmt: skip
