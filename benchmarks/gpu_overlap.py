@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+from collections.abc import Callable
 
 import torch
 import triton
@@ -34,7 +35,7 @@ LAYER_GEMMS = [(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), (HIDDEN, HIDDEN),
 DTYPE = torch.bfloat16
 
 
-def gemm_work(tokens: int, layers: int):
+def gemm_work(tokens: int, layers: int) -> Callable[[], None]:
     """A closure that runs `layers` layers' GEMMs on `tokens` rows (one weight set, reused: at
     these sizes the GEMMs are compute-bound, so L2 reuse of the weights changes little)."""
     weights = [torch.randn(n, k, device="cuda", dtype=DTYPE) * k**-0.5 for k, n in LAYER_GEMMS]
@@ -48,7 +49,7 @@ def gemm_work(tokens: int, layers: int):
     return run
 
 
-def decode_work(batch: int, ctx: int, layers: int, with_gemms: bool):
+def decode_work(batch: int, ctx: int, layers: int, with_gemms: bool) -> Callable[[], None]:
     """`layers` decode attention calls, each over its own pages (no L2 reuse between them)."""
     problems = [paged_problem([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM)
                 for _ in range(layers)]  # fmt: skip
@@ -63,7 +64,7 @@ def decode_work(batch: int, ctx: int, layers: int, with_gemms: bool):
     return run
 
 
-def time_ms(launch, reps: int = 5) -> float:
+def time_ms(launch: Callable[[], None], reps: int = 5) -> float:
     """Median wall time of `launch` (which may use several streams) from the current stream's
     point of view: every stream it uses joins the current one before the end event."""
     times = []
@@ -78,7 +79,9 @@ def time_ms(launch, reps: int = 5) -> float:
     return statistics.median(times[1:])  # the first run warms up
 
 
-def together(prefill, decode, priority: int):
+def together(prefill: Callable[[], None], decode: Callable[[], None],
+             priority: int) -> Callable[[], None]:
+    """Both launched at once, each on its own stream (the decode one at `priority`)."""
     main = torch.cuda.current_stream()
     side_p = torch.cuda.Stream()
     side_d = torch.cuda.Stream(priority=priority)
@@ -117,9 +120,10 @@ def main() -> None:
     report = {"config": vars(args), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__,
               "commit": os.environ.get("KILN_GIT_COMMIT", "unknown"), "prefill_ms": p_ms,
-              "decode_ms": d_ms,
-              "prefill_tflop_s": flop / p_ms / 1e9, "decode_kv_gb_s": kv_gb / d_ms * 1e3}
-    low, high = torch.cuda.Stream.priority_range()
+              "decode_ms": d_ms, "prefill_tflop_s": flop / p_ms / 1e9}
+    if not args.decode_gemms:  # D is the attention alone: its rate over the K/V it reads
+        report["decode_kv_gb_s"] = kv_gb / d_ms * 1e3
+    _, high = torch.cuda.Stream.priority_range()  # (lowest, highest)
     for name, priority in (("same_priority", 0), ("decode_high_priority", high)):
         both = time_ms(together(prefill, decode, priority))
         report[name] = {"together_ms": both, "saved_ms": p_ms + d_ms - both,
