@@ -130,8 +130,8 @@ def test_wint_mma_applies_by_rows_and_size():
 @needs_triton
 @pytest.mark.parametrize("bits, group, m", [(4, 64, 5), (8, -1, 70)])
 def test_wint_gemm_dispatches_decode_batches_to_wint_mma(monkeypatch, bits, group, m):
-    """quant_gemm sends symmetric int4 at 3..128 rows and 8-bit codes at 65..128 here (bias and
-    the gated silu after)."""
+    """quant_gemm sends symmetric int4 at 3..MMA_MAX_M[4] (256) rows and 8-bit codes at 65..128
+    here (bias and the gated silu after)."""
     calls = []
     real = qg.wint_mma_gemm
     monkeypatch.setattr(qg, "wint_mma_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
