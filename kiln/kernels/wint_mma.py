@@ -5,16 +5,23 @@ codes (group-wise or per channel) and symmetric 8-bit codes (W8A16, per channel)
 
 Codes are kiln/quant's packing read as int32 words: int4 puts code k at bits 4 (k % 8) of word
 k // 8 ([N, K / 8]); 8-bit codes are uint8 [N, K], viewed as [N, K / 4] (code k at bits
-8 (k % 4)). A word shifted right by b i holds codes i and i + H (H = 16 / b) at bits 0 and 16,
-and a lop3 puts each in the mantissa of one half of a bf16 pair with the exponent of 128 (1024
-for fp16); one packed FMA then subtracts the offset, exactly:
+8 (k % 4)). A prmt puts codes 2 i and 2 i + 1 of a word in the low bits of bytes 0 and 2 (for
+int4 from bytes i of the word and of the word >> 4), and a lop3 puts each in the mantissa of one
+half of a bf16 pair with the exponent of 128 (1024 for fp16); one packed FMA then subtracts the
+offset, exactly:
   int4:  t = 128 + u,                          u - 8   = t - 136
   8-bit: t = 128 + (u & 127), c = -256 or -128 (u's top bit, a second lop3), u - 128 = t + c
 (bf16 holds 8 significant bits, so 128 + u itself would not be exact for 8-bit codes). The
-decoded [BLOCK_N, K step] tile goes through tl.dot against x, whose columns are permuted the
-same way (a reduction does not care about order). Group-wise scales multiply each group's
-float32 result before it joins the accumulator (one group a K step); per-channel scales
-multiply the accumulator once at the end.
+decoded [BLOCK_N, K step] tile is in K order, so tl.dot takes x^T [K step, BLOCK_M] as loaded:
+Triton stages it through shared memory with cp.async, and a dot whose operands come from those
+staging buffers and that accumulates in place stays in flight while the next step decodes
+(wgmma waits with pendings > 0). Group-wise scales (one group a K step) therefore multiply the
+decoded weights (rounded to x's dtype, as the dequantized reference's) once x tiles are larger
+than 32 rows; up to 32 rows, where that would be 2-4 multiplies per output element, they
+multiply each group's float32 dot result instead, and the dot is waited on every step.
+Per-channel scales multiply the accumulator once at the end. (Decoding codes i and i + 16 / b
+and permuting x's columns to match, as this kernel did before, put x through registers and kept
+every dot synchronous: results/h100/wint_mma_natural.txt.)
 
 K is split over ``split`` programs per tile of rows, so that every SM has work when N alone
 gives too few tiles; the last program of a tile to finish adds the float32 partials in split
@@ -24,13 +31,12 @@ allocated on first use (which must not be inside a CUDA graph capture: run once 
 launches must not overlap in time on different streams of one device (with PDL, one stream's
 next kernel touches the counters only after its wait, when this kernel has finished).
 
-Against the CUDA-core kernels of quant_gemm (H100, Llama-3.1-8B shapes, bf16, g128,
-benchmarks/results/h100/int4_mma.txt): int4 qkv + o + gate_up + down take 84 us at M = 16
-against 240 for the tile kernel this replaced and 166 for bf16 cuBLAS; 112 at M = 64 against
-329 and 169. At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2. Past 64 rows it
-replaced dequantize + cuBLAS, 1.2-2.1x slower (wint_mma.txt: int4 208 us a layer at M = 128
-against 389; bf16 cuBLAS 177), up to 256 rows for int4 (wint_mma_tiles.txt) and 128 for 8-bit
-codes, which below 65 rows run here only for small weights at up to 32 rows (wint_mma_applies).
+H100, Llama-3.1-8B shapes, bf16, g128, qkv + o + gate_up + down per layer, each GEMM alone in a
+graph over rotating weight copies (results/h100/wint_mma_natural.txt): int4 at M = 16 / 64 / 128
+/ 256: 84 / 108 / 161 / 288 us (bf16 cuBLAS 166 / 170 / 178 / 199); 8-bit codes at 64 / 128:
+152 / 187 us. At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2; past MMA_MAX_M rows
+dequantize + cuBLAS is faster. 8-bit codes at up to 32 rows run here only for small weights
+(wint_mma_applies).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
 # above (per code width): dequantize + cuBLAS, which won every Llama-3.1-8B shape at M = 512
 # and, for 8-bit codes, qkv and o_proj at 256 (results/h100/wint_mma_tiles.txt)
 MMA_MAX_M = {4: 256, 8: 128}
-# 8-bit codes up to 64 rows: here only at up to MMA_W8_SMALL_MAX_M rows and for weights of at most
+# 8-bit codes at up to MMA_W8_SMALL_MAX_M rows: here only for weights of at most
 # MMA_W8_SMALL_MAX_CODES codes (qkv and o_proj of Llama-3.1-8B: 25 and 17 M), else quant_gemm's
 # tile kernel (wint_mma_applies)
 MMA_W8_SMALL_MAX_M = 32
@@ -54,21 +60,26 @@ MIN_STEPS_PER_SPLIT = 8  # K steps a program keeps when K is split (fewer: no fu
 _COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
 
-# per asm instance: the shifted word in $1 ($2 is the same register), the pair out in $0
+# per asm instance: a word in $1 ($2 is the same register), a second word in $3 ($4), the prmt
+# selector of the pair in $5 ($6), the pair out in $0. The prmt puts the pair's codes in the low
+# bits of bytes 0 and 2: for int4 byte i of the word and byte i of the word >> 4 (codes 2 i and
+# 2 i + 1), for 8-bit codes bytes 2 i and 2 i + 1 of the word (the second word unused).
 _DECODE4_BF16 = tl.constexpr(
     "{ .reg .b32 t, one, off; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; "
-    "lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 $0, t, one, off; }")
+    "prmt.b32 t, $1, $3, $5; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+    "fma.rn.bf16x2 $0, t, one, off; }")
 _DECODE4_F16 = tl.constexpr(
     "{ .reg .b32 t, one, off; mov.b32 one, 0x3C003C00; mov.b32 off, 0xE408E408; "
-    "lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; fma.rn.f16x2 $0, t, one, off; }")
+    "prmt.b32 t, $1, $3, $5; lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA; "
+    "fma.rn.f16x2 $0, t, one, off; }")
 # 0xEA: (a & b) | c; 0x6A: (a & b) ^ c (the top bit set turns -256 / -1152 into -128 / -1024)
 _DECODE8_BF16 = tl.constexpr(
-    "{ .reg .b32 t, c, one; mov.b32 one, 0x3F803F80; "
-    "lop3.b32 t, $1, 0x007F007F, 0x43004300, 0xEA; lop3.b32 c, $1, 0x00800080, 0xC380C380, 0x6A; "
+    "{ .reg .b32 p, t, c, one; mov.b32 one, 0x3F803F80; prmt.b32 p, $1, $3, $5; "
+    "lop3.b32 t, p, 0x007F007F, 0x43004300, 0xEA; lop3.b32 c, p, 0x00800080, 0xC380C380, 0x6A; "
     "fma.rn.bf16x2 $0, t, one, c; }")
 _DECODE8_F16 = tl.constexpr(
-    "{ .reg .b32 t, c, one; mov.b32 one, 0x3C003C00; "
-    "lop3.b32 t, $1, 0x007F007F, 0x64006400, 0xEA; lop3.b32 c, $1, 0x00800080, 0xE480E480, 0x6A; "
+    "{ .reg .b32 p, t, c, one; mov.b32 one, 0x3C003C00; prmt.b32 p, $1, $3, $5; "
+    "lop3.b32 t, p, 0x007F007F, 0x64006400, 0xEA; lop3.b32 c, p, 0x00800080, 0xE480E480, 0x6A; "
     "fma.rn.f16x2 $0, t, one, c; }")
 
 
@@ -83,24 +94,34 @@ class MmaTiles:
 
 
 @triton.jit
-def _code_pairs(shifted, BITS: tl.constexpr, ASM: tl.constexpr, dtype: tl.constexpr):
-    """shifted [..., H] (a word >> BITS i) -> [..., H, 2] in dtype: the codes i and i + H of the
-    word, less 2^(BITS - 1)."""
+def _code_pairs(words, BITS: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr,
+                dtype: tl.constexpr):
+    """words [..., 1] -> [..., H, 2] in dtype: codes 2 i and 2 i + 1 of each word at [..., i, :]
+    (the word's codes in order), less 2^(BITS - 1)."""
+    pair = tl.arange(0, H)
     if ASM:  # nested ifs: each folds at compile time, so one branch's type is all there is
-        pair = tl.join(shifted, shifted)  # (inline asm takes literal dtypes, not a constexpr one)
-        if dtype == tl.bfloat16:
+        # prmt selector of bytes 0 and 2 (0..3: the first word's bytes, 4..7: the second's)
+        if BITS == 4:
+            second = words >> 4  # once a word, before the broadcast over its pairs
+            sel = pair * 0x101 + 0x400
+        else:
+            second = words
+            sel = pair * 0x202 + 0x100
+        # (the asm broadcasts its arguments: words and second [..., 1, 2], sel [H, 2])
+        args = [tl.join(words, words), tl.join(second, second), tl.join(sel, sel)]
+        if dtype == tl.bfloat16:  # (inline asm takes literal dtypes, not a constexpr one)
             asm: tl.constexpr = _DECODE4_BF16 if BITS == 4 else _DECODE8_BF16
-            return tl.inline_asm_elementwise(asm, "=r,r,r", [pair], dtype=tl.bfloat16,
+            return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", args, dtype=tl.bfloat16,
                                              is_pure=True, pack=2)
         else:
             asm: tl.constexpr = _DECODE4_F16 if BITS == 4 else _DECODE8_F16
-            return tl.inline_asm_elementwise(asm, "=r,r,r", [pair], dtype=tl.float16,
+            return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", args, dtype=tl.float16,
                                              is_pure=True, pack=2)
     # the interpreter runs no PTX: the same values with integer ops
     mask: tl.constexpr = (1 << BITS) - 1
     zero: tl.constexpr = 1 << (BITS - 1)
-    lo = (shifted & mask) - zero
-    hi = ((shifted >> 16) & mask) - zero
+    lo = ((words >> (2 * BITS * pair)) & mask) - zero
+    hi = ((words >> (2 * BITS * pair + BITS)) & mask) - zero
     return tl.join(lo, hi).to(tl.float32).to(dtype)
 
 
@@ -127,25 +148,24 @@ def _wint_mma_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    shifts = tl.arange(0, H) * BITS
+    xt_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     kw_begin = pid_k * kw_per_split
     wait_for_inputs(USE_PDL)
     for kw0 in range(kw_begin, tl.minimum(kw_begin + kw_per_split, KW), STEP_W):
         words = tl.load(w_rows + (kw0 + offs_w)[None, :])  # [BLOCK_N, STEP_W]
-        w = _code_pairs(words[:, :, None] >> shifts[None, None, :], BITS, ASM, dt)
-        w = tl.reshape(w, [BLOCK_N, BK])  # column CPW c + 2 i + h holds code CPW c + i + H h
+        w = tl.reshape(_code_pairs(words[:, :, None], BITS, H, ASM, dt), [BLOCK_N, BK])
         k = kw0 * CPW + tl.arange(0, BK)
-        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BK]
+        xt = tl.load(xt_cols + k[:, None], mask=m_mask[None, :], other=0.0)  # [BK, BLOCK_M]
         if HAS_SMOOTH:  # AWQ: x * smooth, rounded to x's dtype as in the reference
-            x = (x.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[None, :]).to(dt)
-        x = tl.permute(tl.reshape(x, [BLOCK_M, STEP_W, 2, H]), (0, 1, 3, 2))  # the codes' order
-        xt = tl.trans(tl.reshape(x, [BLOCK_M, BK]))
+            xt = (xt.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[:, None]).to(dt)
         if GROUPED:
-            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W).to(tl.float32)
-            acc += tl.dot(w, xt) * s[:, None]
-        else:
+            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)
+        if GROUPED and BLOCK_M <= 32:  # one multiply per output, a quarter of one per weight
+            acc += tl.dot(w, xt) * s.to(tl.float32)[:, None]  # (the MMA waited on every step)
+        else:  # scales folded into the weight (rounded to dt as the dequantized reference's):
+            if GROUPED:  # the MMA accumulates in place and runs on while the next step decodes
+                w = w * s[:, None]
             acc = tl.dot(w, xt, acc)
     if not GROUPED:
         acc = acc * tl.load(s_ptr + rows * stride_sn).to(tl.float32)[:, None]
@@ -195,57 +215,46 @@ def wint_mma_applies(x: torch.Tensor, n: int, zeros: torch.Tensor | None,
     """Whether this kernel takes x [M, K] @ W^T for W's format (quant_gemm's arguments, W [N, K]
     as int32 words): symmetric int4 or 8-bit integer codes, group-wise (32, 64 or 128 dividing
     K) or per channel (K a multiple of 32), no act-order permutation, 16-bit x, MMA_MIN_M <= M
-    <= MMA_MAX_M[bits]; 8-bit codes at up to 64 rows only at 3..MMA_W8_SMALL_MAX_M rows of
-    weights of at most MMA_W8_SMALL_MAX_CODES codes. There the H100 sweeps
-    (results/h100/wint_mma.txt, wint_mma_tiles.txt) have this kernel faster than quant_gemm's
-    tile kernel at qkv and o_proj (M = 16: 16.5 / 16.2 us against 18.8 / 16.5; M = 32: 18.1 /
-    16.3 against 24.5 / 19.3) and slower at down_proj (36.8-44.9 against 32.5) and the W8 LM
-    head (288 against 209): the int8 preset decoded 7% slower at batch 16 with every 8-bit
-    layer here, 2.4-2.6% faster at batch 16 and 32 with qkv and o_proj. At 33-64 rows qkv and
-    o_proj are faster here alone (25.7 / 17.8 against 26.1 / 21.0 at M = 64), but the int8
-    preset decoded 1-1.7% slower at batch 64 with them here, in three A/B runs: the time of this
-    kernel alone in a graph of itself misjudges its time between the engine's kernels
-    (wint_mma_tiles.txt 7. and 8.; why is not known), so its dispatch follows engine runs."""
+    <= MMA_MAX_M[bits]."""
     m, k = x.shape
     grouping = group in _GROUPS and k % group == 0 or group >= k and _per_channel_step(k)
-    w8_small = m <= MMA_W8_SMALL_MAX_M and n * k <= MMA_W8_SMALL_MAX_CODES
-    if bits not in MMA_MAX_M or bits == 8 and m <= 64 and not w8_small:
+    if bits == 8 and m <= MMA_W8_SMALL_MAX_M and n * k > MMA_W8_SMALL_MAX_CODES:
         return False
-    return (not w_fp8 and zeros is None and perm is None and bool(grouping)
-            and x.dtype in (torch.bfloat16, torch.float16) and MMA_MIN_M <= m <= MMA_MAX_M[bits])
+    return (bits in MMA_MAX_M and not w_fp8 and zeros is None and perm is None
+            and bool(grouping) and x.dtype in (torch.bfloat16, torch.float16)
+            and MMA_MIN_M <= m <= MMA_MAX_M[bits])
 
 
 def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
                    device: torch.device) -> MmaTiles:
-    """From the H100 sweeps (results/h100/int4_mma.txt, wint_mma.txt, wint_mma_tiles.txt):
-    - up to 32 rows: one x tile of 16 / 32 rows against 64 rows of W;
-    - int4 past 32 rows, and 8-bit codes at 33-64: 128 rows of W against x tiles of 64 rows
-      (fewer programs re-reading x than with 64-row W tiles; at 65-256 rows of int4 faster than
-      one 128-row x tile: merged gate_up 92 us against 102 at M = 128, 180 against 196 at 256);
-    - 8-bit codes at 65-128 rows: one 128-row x tile (W decoded once for all of them), against
-      64 rows of W, or 128 in 8 warps where 64-row tiles would be more than three a SM (gate_up:
-      W8 113 us against 149 with int4's tiles).
+    """x tiles of the next power of two >= M rows (16..128; past 128 rows, several 128-row
+    tiles). From the H100 sweeps (results/h100/wint_mma_natural.txt) and engine runs:
+    - up to 32 rows: 64 rows of W in 4 warps. 128 rows in 8 warps were faster alone (int4 qkv
+      + o + gate_up + down at M = 16: 78 us against 84), but the int4 preset decoded 5% slower
+      at batch 16 with them;
+    - int4 past 32 rows: 128 rows of W in 8 warps (two warpgroups decode, each its 64 rows);
+    - 8-bit codes, lighter to decode: 128 rows of W in 4 warps against 64-row x tiles, and as
+      int4 against 128-row ones.
     K split by _split."""
-    block_m = max(16, 1 << (m - 1).bit_length())
+    block_m = min(128, max(16, 1 << (m - 1).bit_length()))
     k_step = group if group < k else _per_channel_step(k)
     if block_m <= 32:
         return MmaTiles(64, 0, block_m, k_step=k_step)
-    if bits == 4 or block_m == 64:
-        return MmaTiles(128, 0, 64, k_step=k_step)
-    if -(-n // 64) > 3 * num_sms(device):
-        return MmaTiles(128, 0, 128, num_warps=8, k_step=k_step)
-    return MmaTiles(64, 0, 128, k_step=k_step)
+    if bits == 4 or block_m == 128:
+        return MmaTiles(128, 0, block_m, num_warps=8, k_step=k_step)
+    return MmaTiles(128, 0, block_m, k_step=k_step)
 
 
 def _split(tiles: MmaTiles, out_tiles: int, steps: int, device: torch.device) -> int:
-    """K split until the programs cover twice the SMs (once above 32 rows of x), keeping at
-    least MIN_STEPS_PER_SPLIT steps a split (int4 o_proj at M = 64: 4 splits of 8 steps,
-    14.1 us, against 8 splits of 4, 17.3; down_proj's 112 steps still split 8 ways). Counted in
-    codes instead (8-bit codes' o_proj at up to 32 rows in 4 splits: 13.6 us alone against 16.2
-    in 8) it made the int8 preset decode 2-4% slower (results/h100/wint_mma_tiles.txt, 7.)."""
+    """K split until the programs' warpgroups cover twice the SMs (once for x tiles above 32
+    rows), keeping at least MIN_STEPS_PER_SPLIT steps a split (down_proj's 112 steps still
+    split 8 ways). In that sweep the split this picks was the fastest of half, it and twice it
+    at 33 of 36 layer x M points; the two more than 4% off were o_proj's, int4 at 16 rows (9.0 us
+    against 8.5 in 8 splits) and 8-bit codes at 32 rows (15.4 against 11.3 in 4)."""
     target = (2 if tiles.block_m <= 32 else 1) * num_sms(device)
+    warpgroups = tiles.num_warps // 4
     split = 1
-    while out_tiles * split < target and steps // (split * 2) >= MIN_STEPS_PER_SPLIT:
+    while out_tiles * split * warpgroups < target and steps // (split * 2) >= MIN_STEPS_PER_SPLIT:
         split *= 2
     return split
 

@@ -40,20 +40,23 @@ def _check(n, k, bits, group, m, dtype, device, tiles=None, smooth=False, seed=0
 @pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("bits, n, k, group, m", [
     (4, 80, 256, 64, 3), (4, 64, 512, 128, 17), (4, 33, 128, 32, 5), (4, 40, 256, -1, 4),
-    (8, 80, 256, -1, 3), (8, 33, 512, -1, 17),
+    (8, 80, 256, -1, 3), (8, 33, 512, -1, 17), (4, 80, 256, 64, 40), (8, 40, 256, -1, 40),
 ])  # fmt: skip
 def test_wint_mma_matches_float64(bits, n, k, group, m, split):
     """Row counts that are not a multiple of the 64-row tile (masked stores), K split into
     ranges of whole steps (groups, or 128 codes with per-channel scales), x rows padded to the
-    dot's 16/32; 8-bit codes cover all 256 values, the top bit included."""
+    dot's 16/32/64 (group scales after the dot up to 32 rows, folded into the weights past);
+    8-bit codes cover all 256 values, the top bit included."""
     block_m = max(16, 1 << (m - 1).bit_length())
     _check(n, k, bits, group, m, torch.float16, "cpu", mma.MmaTiles(64, split, block_m))
 
 
 @needs_triton
+@pytest.mark.parametrize("m, block_m", [(4, 16), (40, 64)])
 @pytest.mark.parametrize("bits, group", [(4, 64), (8, -1)])
-def test_wint_mma_smooth(bits, group):
-    _check(64, 256, bits, group, 4, torch.float16, "cpu", mma.MmaTiles(64, 2, 16), smooth=True)
+def test_wint_mma_smooth(bits, group, m, block_m):
+    _check(64, 256, bits, group, m, torch.float16, "cpu", mma.MmaTiles(64, 2, block_m),
+           smooth=True)
 
 
 @needs_triton
@@ -113,24 +116,24 @@ def test_wint_mma_applies_only_to_its_formats():
 
 
 def test_wint_mma_applies_by_rows_and_size():
-    """int4 at 3..256 rows; 8-bit codes at 65..128, and at 3..MMA_W8_SMALL_MAX_M (32) only for
-    weights of at most MMA_W8_SMALL_MAX_CODES codes (quant_gemm's tile kernel for larger ones
-    and at 33..64 rows); past the largest M, dequantize + cuBLAS."""
+    """int4 at 3..256 rows; 8-bit codes at 33..128, and at 3..MMA_W8_SMALL_MAX_M (32) only for
+    weights of at most MMA_W8_SMALL_MAX_CODES codes (quant_gemm's tile kernel for larger ones);
+    past the largest M, dequantize + cuBLAS."""
     assert _applies(256) and not _applies(257)
     assert _applies(65, bits=8, group=256) and _applies(128, bits=8, group=256)
     assert not _applies(129, bits=8, group=256)
     small_n = mma.MMA_W8_SMALL_MAX_CODES // 4096  # qkv-sized at K = 4096
     assert _applies(16, bits=8, group=4096, k=4096, n=small_n)
     assert not _applies(16, bits=8, group=4096, k=4096, n=small_n + 1)
+    assert not _applies(32, bits=8, group=4096, k=4096, n=small_n + 1)
+    assert _applies(33, bits=8, group=4096, k=4096, n=small_n + 1)
     assert _applies(100, bits=8, group=4096, k=4096, n=small_n + 1)
-    assert _applies(32, bits=8, group=4096, k=4096, n=small_n)
-    assert not _applies(33, bits=8, group=4096, k=4096, n=small_n)
 
 
 @needs_triton
 @pytest.mark.parametrize("bits, group, m", [(4, 64, 5), (8, -1, 70)])
 def test_wint_gemm_dispatches_decode_batches_to_wint_mma(monkeypatch, bits, group, m):
-    """quant_gemm sends symmetric int4 at 3..MMA_MAX_M[4] (256) rows and 8-bit codes at 65..128
+    """quant_gemm sends symmetric int4 at 3..MMA_MAX_M[4] (256) rows and 8-bit codes at 33..128
     here (bias and the gated silu after)."""
     calls = []
     real = qg.wint_mma_gemm
@@ -151,8 +154,8 @@ def test_wint_gemm_dispatches_decode_batches_to_wint_mma(monkeypatch, bits, grou
 @pytest.mark.parametrize("bits, group, rows", [(8, -1, 35), (4, 64, 100)])
 def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch, bits, group, rows):
     """65..MMA_MAX_M rows of a symmetric layer go to wint_mma, not to dequantize + cuBLAS: 70
-    rows of 8-bit codes (one 128-row x tile), 200 of int4 (four 64-row x tiles); the default
-    tiles at that M, against float64."""
+    rows of 8-bit codes (one 128-row x tile), 200 of int4 (two); the default tiles at that M,
+    against float64."""
     calls = []
     real = qg.wint_mma_gemm
     monkeypatch.setattr(qg, "wint_mma_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -170,7 +173,8 @@ def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch, bits,
 @pytest.mark.parametrize("m", [3, 16, 64, 100, 200])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1000, 4096)])
 def test_gpu_wint_mma_default_tiles(n, k, m, dtype):
-    """The PTX decodes (lop3 + packed FMA) at Llama-3.1-8B shapes with the default tiles."""
+    """The PTX decodes (prmt + lop3 + packed FMA) at Llama-3.1-8B shapes with the default tiles,
+    x tiles of up to 32 rows (scales after the dot) and past (scales folded)."""
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     _check(n, k, 4, 128, m, dtype, "cuda", tol=tol, seed=m)
     _check(n, k, 4, 64, m, dtype, "cuda", tol=tol, seed=m + 1, smooth=True)
@@ -179,10 +183,10 @@ def test_gpu_wint_mma_default_tiles(n, k, m, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("bits, group, warps", [(4, 128, 4), (8, -1, 8)])
-def test_gpu_wint_mma_wide_n_tiles(bits, group, warps):
-    """65-128 rows at the merged gate_up's N, the default tiles there: 8-bit codes 128 rows of W
-    in 8 warps against one 128-row x tile, int4 128 rows of W in 4 warps against 64-row ones."""
+@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
+def test_gpu_wint_mma_wide_n_tiles(bits, group):
+    """65-128 rows at the merged gate_up's N, the default tiles there: 128 rows of W in 8 warps
+    against one 128-row x tile, group scales folded into the weights."""
     tiles = mma.wint_mma_tiles(100, 28672, 4096, group, bits, torch.device("cuda"))
-    assert tiles.num_warps == warps and tiles.block_n == 128
+    assert tiles.num_warps == 8 and tiles.block_n == 128 and tiles.block_m == 128
     _check(28672, 4096, bits, group, 100, torch.bfloat16, "cuda", tol=2e-2, seed=bits)

@@ -1,0 +1,127 @@
+"""Sweep the tiles and K splits of the tensor-core weight-only GEMM (kiln/kernels/wint_mma.py) at
+the Llama-3.1-8B layer shapes, next to bf16 cuBLAS; JSON out, one line a (layer, bits, M).
+
+    PYTHONPATH=. python3 benchmarks/wint_mma_sweep.py --out F [--ms 16,32,64,128,256]
+        [--default-only]
+
+Whichever kiln is first on the path is swept, so two trees compare on one machine (an older
+tree's kiln first on PYTHONPATH, with --default-only: its wint_mma_tiles picks). Weights are
+random words (every code value) with random positive scales: int4 g128 and 8-bit codes per
+channel. Each candidate is checked against float64 math on the dequantized weight (relative
+error < 1e-2) before it is timed, the same way as benchmarks/gpu_quant.py (a graph of the op
+on rotating weight copies, so the weights come from HBM, not the 50 MB L2). Candidates: 64 or
+128 rows of W against x tiles of up to the next power of two >= M rows (at most 128), 4 or 8
+warps, 3 or 4 stages; each at the split _split picks ("*" in its key), half and twice it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_quant import rel_err, rotating, time_graph_us  # noqa: E402
+
+from kiln.kernels import wint_mma as wm  # noqa: E402
+from kiln.kernels.wint_mma import MmaTiles  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}
+FORMATS = ((4, 128), (8, 0))  # (bits, group); 0: per channel
+
+
+def make_weight(n: int, k: int, bits: int, group: int, gen: torch.Generator):
+    """Random int32 words [N, K bits / 32] and positive bf16 scales [N, K / group or 1]."""
+    words = torch.randint(-2**31, 2**31 - 1, (n, k * bits // 32), device="cuda",
+                          dtype=torch.int32, generator=gen)
+    scales = torch.rand(n, k // group if group else 1, device="cuda", generator=gen) * 0.02
+    return words, (scales + 0.005).to(torch.bfloat16)
+
+
+def dequant(words: torch.Tensor, scales: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """float64 [N, K]: (u - 2^(bits - 1)) * scale, code k at bits (k % (32 / bits)) * bits."""
+    n, kw = words.shape
+    cpw = 32 // bits
+    shifts = torch.arange(cpw, device=words.device, dtype=torch.int32) * bits
+    codes = ((words[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(n, kw * cpw)
+    k = kw * cpw
+    g = group or k
+    w = (codes.double() - (1 << (bits - 1))).view(n, k // g, g) * scales.double()[:, :, None]
+    return w.view(n, k)
+
+
+def candidates(m: int, k_step: int) -> list[MmaTiles]:
+    bm = min(128, max(16, 1 << (m - 1).bit_length()))
+    tiles = {MmaTiles(64, 0, bm, k_step=k_step), MmaTiles(128, 0, bm, k_step=k_step),
+             MmaTiles(64, 0, bm, num_stages=4, k_step=k_step),
+             MmaTiles(128, 0, bm, num_warps=8, k_step=k_step)}
+    if bm > 16:
+        tiles |= {MmaTiles(64, 0, bm // 2, k_step=k_step)}
+    return sorted(tiles, key=str)
+
+
+def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generator,
+              dense: torch.Tensor, default_only: bool) -> dict:
+    words, scales = make_weight(n, k, bits, group, gen)
+    g = group or k
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = x.double() @ dequant(words, scales, bits, group).t()
+    wbytes = words.numel() * 4 + scales.numel() * 2
+
+    def timed(tiles: MmaTiles | None) -> float | str:
+        run = lambda a: lambda: wm.wint_mma_gemm(x, a[0], a[1], bits, g, tiles=tiles)
+        try:
+            err = rel_err(run((words, scales))(), ref)
+            if not err < 1e-2:
+                return f"relative error {err:.3g}"
+            return time_graph_us(rotating([words, scales], run), wbytes)
+        except Exception as exc:  # out of shared memory / registers: not a candidate
+            return repr(exc)[:160]
+
+    row = dict(bits=bits, m=m, default=str(wm.wint_mma_tiles(m, n, k, g, bits, x.device)),
+               bf16_us=time_graph_us(rotating([dense], lambda a: lambda: x @ a[0].t()),
+                                     dense.numel() * 2),
+               default_us=timed(None))
+    if default_only:
+        return row
+    k_step = g if g < k else wm._per_channel_step(k)
+    for t in candidates(m, k_step):
+        out_tiles = -(-m // t.block_m) * -(-n // t.block_n)
+        rule = wm._split(t, out_tiles, k // k_step, x.device)
+        for split in sorted({max(1, rule // 2), rule, rule * 2}):
+            key = (f"{t.block_n}x{t.block_m}w{t.num_warps}s{t.num_stages}k{split}"
+                   f"{'*' if split == rule else ''}")
+            row[key] = timed(MmaTiles(t.block_n, split, t.block_m, t.num_warps, t.num_stages,
+                                      t.k_step))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ms", default="16,32,64,128,256")
+    parser.add_argument("--default-only", action="store_true",
+                        help="time wint_mma_tiles' picks only (and bf16)")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        dense = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+        for bits, group in FORMATS:
+            for m in (int(v) for v in args.ms.split(",")):
+                if m > wm.MMA_MAX_M[bits]:
+                    continue
+                row = dict(shape=name, **sweep_one(n, k, bits, group, m, gen, dense,
+                                                   args.default_only))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                with open(args.out, "w") as f:  # after every row: a cut-short run keeps its data
+                    json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
