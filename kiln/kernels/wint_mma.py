@@ -31,12 +31,12 @@ allocated on first use (which must not be inside a CUDA graph capture: run once 
 launches must not overlap in time on different streams of one device (with PDL, one stream's
 next kernel touches the counters only after its wait, when this kernel has finished).
 
-H100, Llama-3.1-8B shapes, bf16, g128, qkv + o + gate_up + down per layer, each GEMM alone in a
-graph over rotating weight copies (results/h100/wint_mma_natural.txt): int4 at M = 16 / 64 / 128
-/ 256: 84 / 108 / 161 / 288 us (bf16 cuBLAS 166 / 170 / 178 / 199); 8-bit codes at 64 / 128:
-152 / 187 us. At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2; past MMA_MAX_M rows
-dequantize + cuBLAS is faster. 8-bit codes at up to 32 rows run here only for small weights
-(wint_mma_applies).
+H100, Llama-3.1-8B shapes, bf16, qkv + o + gate_up + down, each GEMM alone in a graph over
+rotating weight copies (results/h100/wint_mma_natural.txt): int4 g128 at M = 16 / 64 / 128 /
+256 takes 78 / 108 / 160 / 291 us a layer (bf16 cuBLAS 173 / 172 / 181 / 202; before this form
+83 / 119 / 197 / 353), 8-bit codes at 64 / 128 rows 153 / 187 (196 / 246 before). At M = 1 the
+FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2; past MMA_MAX_M rows dequantize + cuBLAS is
+faster. 8-bit codes at up to 32 rows run here only for small weights (wint_mma_applies).
 """
 
 from __future__ import annotations
@@ -229,9 +229,9 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
                    device: torch.device) -> MmaTiles:
     """x tiles of the next power of two >= M rows (16..128; past 128 rows, several 128-row
     tiles). From the H100 sweeps (results/h100/wint_mma_natural.txt) and engine runs:
-    - up to 32 rows: 64 rows of W in 4 warps. 128 rows in 8 warps were faster alone (int4 qkv
-      + o + gate_up + down at M = 16: 78 us against 84), but the int4 preset decoded 5% slower
-      at batch 16 with them;
+    - up to 32 rows: 64 rows of W in 4 warps. 128 rows in 8 warps with the scales folded took
+      as long alone (int4 layer at M = 16: 78 us), but the int4 preset decoded 5% slower at
+      batch 16 with them (4,292 against 4,509 tok/s);
     - int4 past 32 rows: 128 rows of W in 8 warps (two warpgroups decode, each its 64 rows);
     - 8-bit codes, lighter to decode: 128 rows of W in 4 warps against 64-row x tiles, and as
       int4 against 128-row ones.
@@ -248,9 +248,11 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
 def _split(tiles: MmaTiles, out_tiles: int, steps: int, device: torch.device) -> int:
     """K split until the programs' warpgroups cover twice the SMs (once for x tiles above 32
     rows), keeping at least MIN_STEPS_PER_SPLIT steps a split (down_proj's 112 steps still
-    split 8 ways). In that sweep the split this picks was the fastest of half, it and twice it
-    at 33 of 36 layer x M points; the two more than 4% off were o_proj's, int4 at 16 rows (9.0 us
-    against 8.5 in 8 splits) and 8-bit codes at 32 rows (15.4 against 11.3 in 4)."""
+    split 8 ways). In the sweep of results/h100/wint_mma_natural.txt the split this picks was
+    the fastest of half, it and twice it at 33 of 36 layer x M points; the two more than 4% off:
+    int4 qkv at 16 rows (12.6 us against 11.4 in 8 splits) and 8-bit o_proj at 32 rows (16.2
+    against 13.6 in 4, which made the int8 preset decode slower in earlier engine runs:
+    wint_mma_tiles.txt 7.)."""
     target = (2 if tiles.block_m <= 32 else 1) * num_sms(device)
     warpgroups = tiles.num_warps // 4
     split = 1
