@@ -229,9 +229,9 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
                    device: torch.device) -> MmaTiles:
     """x tiles of the next power of two >= M rows (16..128; past 128 rows, several 128-row
     tiles). From the H100 sweeps (results/h100/wint_mma_natural.txt) and engine runs:
-    - up to 32 rows: 64 rows of W in 4 warps. 128 rows in 8 warps with the scales folded took
-      as long alone (int4 layer at M = 16: 78 us), but the int4 preset decoded 5% slower at
-      batch 16 with them (4,292 against 4,509 tok/s);
+    - up to 32 rows: 64 rows of W in 4 warps. 128 rows in 8 warps were as fast alone (int4
+      layer at M = 16: 76 us against 78), but with them (and the scales folded) the int4
+      preset decoded 5% slower at batch 16 (4,292 against 4,509 tok/s);
     - int4 past 32 rows: 128 rows of W in 8 warps (two warpgroups decode, each its 64 rows);
     - 8-bit codes, lighter to decode: 128 rows of W in 4 warps against 64-row x tiles, and as
       int4 against 128-row ones.
