@@ -161,7 +161,7 @@ def _wint_mma_kernel(
             xt = (xt.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[:, None]).to(dt)
         if GROUPED:
             s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)
-        if GROUPED and BLOCK_M <= 32:  # one multiply per output, a quarter of one per weight
+        if GROUPED and BLOCK_M <= 32:  # a multiply per output: 1/4 of folding's at 16 rows
             acc += tl.dot(w, xt) * s.to(tl.float32)[:, None]  # (the MMA waited on every step)
         else:  # scales folded into the weight (rounded to dt as the dequantized reference's):
             if GROUPED:  # the MMA accumulates in place and runs on while the next step decodes
@@ -215,7 +215,10 @@ def wint_mma_applies(x: torch.Tensor, n: int, zeros: torch.Tensor | None,
     """Whether this kernel takes x [M, K] @ W^T for W's format (quant_gemm's arguments, W [N, K]
     as int32 words): symmetric int4 or 8-bit integer codes, group-wise (32, 64 or 128 dividing
     K) or per channel (K a multiple of 32), no act-order permutation, 16-bit x, MMA_MIN_M <= M
-    <= MMA_MAX_M[bits]."""
+    <= MMA_MAX_M[bits]; 8-bit codes at up to MMA_W8_SMALL_MAX_M rows only for weights of at most
+    MMA_W8_SMALL_MAX_CODES codes: with gate_up, down_proj and the 8-bit LM head here too, the
+    int8 preset decoded 7% slower at batch 16 (3,065 against 3,289 tok/s; the LM head 291 us a
+    step against 200 on quant_gemm's tile kernel: results/h100/wint_mma_natural.txt)."""
     m, k = x.shape
     grouping = group in _GROUPS and k % group == 0 or group >= k and _per_channel_step(k)
     if bits == 8 and m <= MMA_W8_SMALL_MAX_M and n * k > MMA_W8_SMALL_MAX_CODES:
