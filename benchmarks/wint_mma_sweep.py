@@ -7,11 +7,12 @@ the Llama-3.1-8B layer shapes, next to bf16 cuBLAS; JSON out, one line a (layer,
 Whichever kiln is first on the path is swept, so two trees compare on one machine (an older
 tree's kiln first on PYTHONPATH, with --default-only: its wint_mma_tiles picks). Weights are
 random words (every code value) with random positive scales: int4 g128 and 8-bit codes per
-channel. Each candidate is checked against float64 math on the dequantized weight (relative
-error < 1e-2) before it is timed, the same way as benchmarks/gpu_quant.py (a graph of the op
-on rotating weight copies, so the weights come from HBM, not the 50 MB L2). Candidates: 64 or
-128 rows of W against x tiles of up to the next power of two >= M rows (at most 128), 4 or 8
-warps, 3 or 4 stages; each at the split _split picks ("*" in its key), half and twice it.
+channel. Each candidate is checked against float64 math on the weight dequantized by
+quant_gemm.wint_dequant_ref (relative error < 1e-2) before it is timed, the same way as
+benchmarks/gpu_quant.py (a graph of the op on rotating weight copies, so the weights come from
+HBM, not the 50 MB L2). Candidates: 64 or 128 rows of W against x tiles of the next power of
+two >= M rows (at most MMA_MAX_M) or half that, 4 or 8 warps, 3 or 4 stages; each at the split
+_split picks ("*" in its key), half and twice it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_quant import rel_err, rotating, time_graph_us  # noqa: E402
 
 from kiln.kernels import wint_mma as wm  # noqa: E402
+from kiln.kernels.quant_gemm import wint_dequant_ref  # noqa: E402
 from kiln.kernels.wint_mma import MmaTiles  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -42,20 +44,8 @@ def make_weight(n: int, k: int, bits: int, group: int, gen: torch.Generator):
     return words, (scales + 0.005).to(torch.bfloat16)
 
 
-def dequant(words: torch.Tensor, scales: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """float64 [N, K]: (u - 2^(bits - 1)) * scale, code k at bits (k % (32 / bits)) * bits."""
-    n, kw = words.shape
-    cpw = 32 // bits
-    shifts = torch.arange(cpw, device=words.device, dtype=torch.int32) * bits
-    codes = ((words[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(n, kw * cpw)
-    k = kw * cpw
-    g = group or k
-    w = (codes.double() - (1 << (bits - 1))).view(n, k // g, g) * scales.double()[:, :, None]
-    return w.view(n, k)
-
-
-def candidates(m: int, k_step: int) -> list[MmaTiles]:
-    bm = min(128, max(16, 1 << (m - 1).bit_length()))
+def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
+    bm = min(wm.MMA_MAX_M[bits], max(16, 1 << (m - 1).bit_length()))
     tiles = {MmaTiles(64, 0, bm, k_step=k_step), MmaTiles(128, 0, bm, k_step=k_step),
              MmaTiles(64, 0, bm, num_stages=4, k_step=k_step),
              MmaTiles(128, 0, bm, num_warps=8, k_step=k_step)}
@@ -69,7 +59,8 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
     words, scales = make_weight(n, k, bits, group, gen)
     g = group or k
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-    ref = x.double() @ dequant(words, scales, bits, group).t()
+    qweight = words if bits == 4 else words.view(torch.uint8)  # kiln/quant's packing
+    ref = x.double() @ wint_dequant_ref(qweight, scales, None, bits, g, torch.float64).t()
     wbytes = words.numel() * 4 + scales.numel() * 2
 
     def timed(tiles: MmaTiles | None) -> float | str:
@@ -89,7 +80,7 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
     if default_only:
         return row
     k_step = g if g < k else wm._per_channel_step(k)
-    for t in candidates(m, k_step):
+    for t in candidates(m, bits, k_step):
         out_tiles = -(-m // t.block_m) * -(-n // t.block_n)
         rule = wm._split(t, out_tiles, k // k_step, x.device)
         for split in sorted({max(1, rule // 2), rule, rule * 2}):

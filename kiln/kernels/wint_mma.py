@@ -159,14 +159,14 @@ def _wint_mma_kernel(
         xt = tl.load(xt_cols + k[:, None], mask=m_mask[None, :], other=0.0)  # [BK, BLOCK_M]
         if HAS_SMOOTH:  # AWQ: x * smooth, rounded to x's dtype as in the reference
             xt = (xt.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[:, None]).to(dt)
-        if GROUPED:
-            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)
-        if GROUPED and BLOCK_M <= 32:  # a multiply per output: 1/4 of folding's at 16 rows
-            acc += tl.dot(w, xt) * s.to(tl.float32)[:, None]  # (the MMA waited on every step)
-        else:  # scales folded into the weight (rounded to dt as the dequantized reference's):
-            if GROUPED:  # the MMA accumulates in place and runs on while the next step decodes
-                w = w * s[:, None]
+        if not GROUPED:
             acc = tl.dot(w, xt, acc)
+        elif BLOCK_M <= 32:  # a multiply per output: 1/4 of folding's at 16 rows
+            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W).to(tl.float32)
+            acc += tl.dot(w, xt) * s[:, None]  # (the MMA waited on every step)
+        else:  # scales folded into the weight (rounded to dt as the dequantized reference's):
+            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)  # the MMA accumulates in
+            acc = tl.dot(w * s[:, None], xt, acc)  # place and runs on while the next step decodes
     if not GROUPED:
         acc = acc * tl.load(s_ptr + rows * stride_sn).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
