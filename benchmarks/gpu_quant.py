@@ -1,7 +1,7 @@
 """Check and time Kiln's quantized GEMMs at the Llama-3.1-8B shapes; JSON out, table last.
 
     PYTHONPATH=. python3 benchmarks/gpu_quant.py --out $OUT/quant.json
-        [--sweep small|next|full|decode1|mma|none] [--only-sweep] [--ms 1,16] [--check-ms 1,3,16]
+        [--sweep small|next|full|decode1|none] [--only-sweep] [--ms 1,16] [--check-ms 1,3,16]
         [--pytest] [--budget SECONDS] [--asm DIR]
 
 1. checks: each path (the dispatching wrapper, the fused kernels, dequantize + cuBLAS, W8A8
@@ -15,9 +15,8 @@
 3. sweep: configurations of the small-M kernels (kiln/kernels/quant_gemm.GemvConfig: the
    CUDA-core GEMV, the tensor-core word kernel; GemmConfig: the tile kernel) at M = 1..16,
    each checked against float64 and timed next to the current default ("default" rows); the
-   best ones are what quant_gemm._gemv_config should pick. ``--sweep mma``: tiles of the
-   tensor-core weight-only GEMM (kiln/kernels/wint_mma.MmaTiles) at decode batch sizes, next to
-   bf16 cuBLAS and the dispatching wrapper.
+   best ones are what quant_gemm._gemv_config should pick. The tensor-core weight-only GEMM's
+   tiles (kiln/kernels/wint_mma.MmaTiles) have their own sweep: benchmarks/wint_mma_sweep.py.
 
 A GEMM timed here runs in a graph of itself. For 8-bit codes that disagreed with the same
 kernels inside the engine's step by up to 25% and ranked two split counts the other way round
@@ -289,19 +288,6 @@ SWEEPS = {
         4: [G(1, 8, 512), G(16, 64, 32, mma=True, natural=True)],
     },
 }
-Mt = qg.MmaTiles
-# the tensor-core weight-only GEMM (kiln/kernels/wint_mma.py): candidates around the default
-# tiles of wint_mma_tiles (the sixteenth session's second sweep); split 0 is the default rule's
-SWEEPS["mma"] = {
-    256: [Mt(128, 0, 64, num_stages=4, k_step=64), Mt(256, 0, 64, num_warps=8, k_step=64),
-          Mt(128, 0, 32, k_step=64), Mt(64, 0, 64, k_step=64),
-          Mt(128, 0, 64, num_warps=8, k_step=64)],
-    128: [Mt(128, 0, 64, num_stages=4, k_step=64), Mt(256, 0, 64, num_warps=8, k_step=64),
-          Mt(128, 0, 32, k_step=64), Mt(64, 0, 64, k_step=64), Mt(128, 1, 64, k_step=64)],
-    32: [Mt(128, 0, 32, k_step=64), Mt(64, 0, 32, num_stages=4, k_step=64),
-         Mt(128, 0, 32, num_stages=4, k_step=64)],
-    16: [Mt(128, 0, 16, k_step=64), Mt(128, 0, 16, num_stages=4, k_step=64)],
-}
 SWEEPS["full"] = {**SWEEPS["small"], 1: SWEEPS["small"][1] + [
     G(1, 32, 256), G(1, 8, 1024, num_warps=8), G(1, 16, 512, num_warps=8),
     G(1, 16, 512, split_k=2)]}
@@ -315,7 +301,6 @@ SWEEP_SHAPES = {
              4: [(4096, 4096)]},
 }
 SWEEP_SHAPES["full"] = SWEEP_SHAPES["small"]
-SWEEP_SHAPES["mma"] = {m: [(n, k) for n, k, _ in SHAPES if n != 14336] for m in SWEEPS["mma"]}
 # batch-1 decode only, every layer shape of Llama-3.1-8B plus its LM head (W8A16 in every
 # weight-only format)
 SWEEPS["decode1"] = {1: SWEEPS["full"][1] + [
@@ -329,8 +314,7 @@ def sweep(results: list[dict], name: str, budget: float) -> None:
     grid, formats = SWEEPS[name], {}
     for m in grid:
         shapes = [(n, k) for n, k, _ in SHAPES[:1]] if SMOKE else SWEEP_SHAPES[name][m]
-        kinds = {"decode1": ("w4", "w8", "fp8_wo", "w16"), "mma": ("w8", "w4")}.get(
-            name, ("w4", "w8", "fp8_wo"))
+        kinds = ("w4", "w8", "fp8_wo", "w16") if name == "decode1" else ("w4", "w8", "fp8_wo")
         for (n, k), kind in itertools.product(shapes, kinds):
             if kind == "fp8_wo" and (m not in (1, 16) or k != 4096):
                 continue
@@ -345,25 +329,20 @@ def sweep(results: list[dict], name: str, budget: float) -> None:
 
 def sweep_one(results: list[dict], configs: list, f: Formats, kind: str, n: int, k: int,
               m: int):
-    """Check and time the default (None) and each candidate config on one shape. Baselines
-    alongside ("cublas", never the best pick unless the candidates include dense_gemv): bf16
-    cuBLAS for w16 (dense_gemv's configs) and for MmaTiles candidates, whose "default" is the
-    dispatching wrapper (wint_linear: dequantize + cuBLAS past MMA_MAX_M rows)."""
+    """Check and time the default (None) and each candidate config on one shape; for w16
+    (dense_gemv's configs) bf16 cuBLAS ("cublas") alongside."""
     qargs = (f.bf16,) if kind == "w16" else getattr(f, kind)
-    mma = any(isinstance(c, qg.MmaTiles) for c in configs)
     x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
     w64 = f.bf16.double() if kind == "w16" else qg.wint_dequant_ref(*qargs, torch.float64).double()
     ref, ref_bf16 = x.double() @ w64.t(), x.double() @ f.bf16.double().t()
     best = None
-    for cfg in ["cublas", None, *configs] if kind == "w16" or mma else [None, *configs]:
+    for cfg in ["cublas", None, *configs] if kind == "w16" else [None, *configs]:
         args, expected = qargs, ref
         if cfg == "cublas":
             args, expected = (f.bf16,), ref_bf16
             make = lambda a: lambda: torch.matmul(x, a[0].t())
         elif kind == "w16":
             make = lambda a, c=cfg: lambda: qg.dense_gemv(x, a[0], config=c)
-        elif mma and cfg is None:
-            make = lambda a: lambda: qg.wint_linear(x, *a)
         else:
             make = lambda a, c=cfg: lambda: qg.wint_gemm_triton(x, *a, config=c)
         wbytes = Formats.nbytes(*args)
@@ -377,8 +356,7 @@ def sweep_one(results: list[dict], configs: list, f: Formats, kind: str, n: int,
         name = "default" if cfg is None else cfg if isinstance(cfg, str) else repr(cfg)
         results.append(dict(kind=kind, n=n, k=k, m=m, config=name, us=us, gb_s=gbps,
                             rel_err=err, ok=err < 1e-2))
-        pickable = not (mma and cfg == "cublas")
-        if pickable and err < 1e-2 and (best is None or us < best[0]):
+        if err < 1e-2 and (best is None or us < best[0]):
             best = (us, name, round(gbps))
     return best
 
@@ -450,7 +428,7 @@ SMOKE_HELP = "check this script on CPU: TRITON_INTERPRET=1, tiny shapes, no CUDA
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--sweep", choices=["none", "small", "next", "full", "decode1", "mma"],
+    parser.add_argument("--sweep", choices=["none", "small", "next", "full", "decode1"],
                         default="small")
     parser.add_argument("--pytest", action="store_true", help="also run pytest -m gpu on quant")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds before the sweep stops")
@@ -473,7 +451,7 @@ def main() -> None:
         DTYPE = torch.float16  # the interpreter computes bf16 wrongly (shared/GPU.md)
         for grid in SWEEPS.values():
             for m in list(grid):
-                grid[m] = [c for c in grid[m] if isinstance(c, (qg.GemvConfig, qg.MmaTiles))][:2]
+                grid[m] = [c for c in grid[m] if isinstance(c, qg.GemvConfig)][:2]
     elif not torch.cuda.is_available():
         sys.exit("gpu_quant.py needs a CUDA GPU (or --smoke)")
     device = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
