@@ -1,7 +1,7 @@
 """Sweep the tiles and K splits of the tensor-core weight-only GEMM (kiln/kernels/wint_mma.py) at
 the Llama-3.1-8B layer shapes, next to bf16 cuBLAS; JSON out, one line a (layer, bits, M).
 
-    PYTHONPATH=. python3 benchmarks/wint_mma_sweep.py --out F [--ms 16,32,64,128,256]
+    PYTHONPATH=. python3 benchmarks/wint_mma_sweep.py --out F [--ms 16,32,64,128,256,512,1024]
         [--default-only]
 
 Whichever kiln is first on the path is swept, so two trees compare on one machine (an older
@@ -11,8 +11,10 @@ channel. Each candidate is checked against float64 math on the weight dequantize
 quant_gemm.wint_dequant_ref (relative error < 1e-2) before it is timed, the same way as
 benchmarks/gpu_quant.py (a graph of the op on rotating weight copies, so the weights come from
 HBM, not the 50 MB L2). Candidates: 64 or 128 rows of W against x tiles of the next power of
-two >= M rows (at most MMA_MAX_M) or half that, 4 or 8 warps, 3 or 4 stages; each at the split
-_split picks ("*" in its key), half and twice it.
+two >= M rows (at most MMA_X_TILE_MAX) or half that, 4 or 8 warps, 3 or 4 stages; each at the
+split _split picks ("*" in its key), half and twice it. Each row also times what the library
+runs at that M (quant_gemm.wint_linear_triton: dequantize + cuBLAS past MMA_MAX_M) and
+dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_quant import rel_err, rotating, time_graph_us  # noqa: E402
 
 from kiln.kernels import wint_mma as wm  # noqa: E402
-from kiln.kernels.quant_gemm import wint_dequant_ref  # noqa: E402
+from kiln.kernels.quant_gemm import (  # noqa: E402
+    wint_dequant_ref,
+    wint_dequant_triton,
+    wint_linear_triton,
+)
 from kiln.kernels.wint_mma import MmaTiles  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -45,10 +51,11 @@ def make_weight(n: int, k: int, bits: int, group: int, gen: torch.Generator):
 
 
 def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
-    bm = min(wm.MMA_MAX_M[bits], max(16, 1 << (m - 1).bit_length()))
+    bm = min(wm.MMA_X_TILE_MAX, max(16, 1 << (m - 1).bit_length()))
     tiles = {MmaTiles(64, 0, bm, k_step=k_step), MmaTiles(128, 0, bm, k_step=k_step),
              MmaTiles(64, 0, bm, num_stages=4, k_step=k_step),
-             MmaTiles(128, 0, bm, num_warps=8, k_step=k_step)}
+             MmaTiles(128, 0, bm, num_warps=8, k_step=k_step),
+             MmaTiles(128, 0, bm, num_warps=8, num_stages=4, k_step=k_step)}
     if bm > 16:
         tiles |= {MmaTiles(64, 0, bm // 2, k_step=k_step)}
     return sorted(tiles, key=str)
@@ -63,8 +70,7 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
     ref = x.double() @ wint_dequant_ref(qweight, scales, None, bits, g, torch.float64).t()
     wbytes = words.numel() * 4 + scales.numel() * 2
 
-    def timed(tiles: MmaTiles | None) -> float | str:
-        run = lambda a: lambda: wm.wint_mma_gemm(x, a[0], a[1], bits, g, tiles=tiles)
+    def checked(run) -> float | str:  # run(args): the op on (words, scales) copies
         try:
             err = rel_err(run((words, scales))(), ref)
             if not err < 1e-2:
@@ -73,10 +79,18 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
         except Exception as exc:  # out of shared memory / registers: not a candidate
             return repr(exc)[:160]
 
+    def timed(tiles: MmaTiles | None) -> float | str:
+        return checked(lambda a: lambda: wm.wint_mma_gemm(x, a[0], a[1], bits, g, tiles=tiles))
+
+    codes = (lambda a: a[0]) if bits == 4 else (lambda a: a[0].view(torch.uint8))
     row = dict(bits=bits, m=m, default=str(wm.wint_mma_tiles(m, n, k, g, bits, x.device)),
                bf16_us=time_graph_us(rotating([dense], lambda a: lambda: x @ a[0].t()),
                                      dense.numel() * 2),
-               default_us=timed(None))
+               default_us=timed(None),
+               library_us=checked(lambda a: lambda: wint_linear_triton(
+                   x, codes(a), a[1], None, bits, g)),
+               dequant_us=checked(lambda a: lambda: x @ wint_dequant_triton(
+                   codes(a), a[1], None, bits, g, x.dtype).t()))
     if default_only:
         return row
     k_step = g if g < k else wm._per_channel_step(k)
@@ -94,7 +108,7 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--ms", default="16,32,64,128,256")
+    parser.add_argument("--ms", default="16,32,64,128,256,512,1024")
     parser.add_argument("--default-only", action="store_true",
                         help="time wint_mma_tiles' picks only (and bf16)")
     args = parser.parse_args()
@@ -104,8 +118,6 @@ def main() -> None:
         dense = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
         for bits, group in FORMATS:
             for m in (int(v) for v in args.ms.split(",")):
-                if m > wm.MMA_MAX_M[bits]:
-                    continue
                 row = dict(shape=name, **sweep_one(n, k, bits, group, m, gen, dense,
                                                    args.default_only))
                 print(json.dumps(row), flush=True)

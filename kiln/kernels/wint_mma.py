@@ -34,9 +34,12 @@ next kernel touches the counters only after its wait, when this kernel has finis
 H100, Llama-3.1-8B shapes, bf16, qkv + o + gate_up + down, each GEMM alone in a graph over
 rotating weight copies (results/h100/wint_mma_natural.txt): int4 g128 at M = 16 / 64 / 128 /
 256 takes 78 / 108 / 163 / 245 us a layer (bf16 cuBLAS 173 / 172 / 180 / 199; before this form
-83 / 119 / 197 / 353), 8-bit codes at 64 / 128 rows 153 / 182 (196 / 246 before). At M = 1 the
-FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2; past MMA_MAX_M rows dequantize + cuBLAS is
-faster. 8-bit codes at up to 32 rows run here only for small weights (wint_mma_applies).
+83 / 119 / 197 / 353), 8-bit codes at 64 / 128 rows 153 / 182 (196 / 246 before). Past that
+(results/h100/wint_mma_large_m.txt), against dequantize + cuBLAS: int4 at 512 / 1024 rows 436 /
+798 us against 516 / 823 (bf16 300 / 579), 8-bit codes at 256 / 512 rows 271 / 486 against 447 /
+538 (bf16 204 / 300). At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2; past
+MMA_MAX_M rows dequantize + cuBLAS is faster. 8-bit codes at up to 32 rows run here only for
+small weights (wint_mma_applies).
 """
 
 from __future__ import annotations
@@ -48,9 +51,10 @@ import torch
 from kiln.kernels._triton import num_sms, pdl, tl, triton, wait_for_inputs
 
 MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
-# above (per code width): dequantize + cuBLAS, which won every Llama-3.1-8B shape at M = 512
-# and, for 8-bit codes, qkv and o_proj at 256 (results/h100/wint_mma_tiles.txt)
-MMA_MAX_M = {4: 256, 8: 128}
+# above (per code width): dequantize + cuBLAS, faster over a Llama-3.1-8B layer from 2048 rows
+# for int4 and 1024 for 8-bit codes (results/h100/wint_mma_large_m.txt)
+MMA_MAX_M = {4: 1024, 8: 512}
+MMA_X_TILE_MAX = 256  # rows of x a program takes at most; more rows: more x tiles
 # 8-bit codes at up to MMA_W8_SMALL_MAX_M rows: here only for weights of at most
 # MMA_W8_SMALL_MAX_CODES codes (qkv and o_proj of Llama-3.1-8B: 25 and 17 M), else quant_gemm's
 # tile kernel (wint_mma_applies)
@@ -230,24 +234,27 @@ def wint_mma_applies(x: torch.Tensor, n: int, zeros: torch.Tensor | None,
 
 def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
                    device: torch.device) -> MmaTiles:
-    """x tiles of the next power of two >= M rows (16..MMA_MAX_M[bits]). From the H100 sweeps
-    (results/h100/wint_mma_natural.txt) and engine runs:
+    """x tiles of the next power of two >= M rows (16..MMA_X_TILE_MAX). From the H100 sweeps
+    (results/h100/wint_mma_natural.txt, wint_mma_large_m.txt) and engine runs:
     - up to 32 rows: 64 rows of W in 4 warps. 128 rows in 8 warps were as fast alone (int4
       layer at M = 16: 76 us against 78), but with them (and the scales folded) the int4
       preset decoded 5% slower at batch 16 (4,292 against 4,509 tok/s);
     - int4 past 32 rows: 128 rows of W in 8 warps (two warpgroups decode, each its 64 rows),
       up to 256 rows in one x tile, so each weight is decoded once (int4 layer at M = 256: 247
-      us against 285 in two 128-row x tiles; merged gate_up 111 against 153);
+      us against 285 in two 128-row x tiles; merged gate_up 111 against 153). 256 rows of W
+      against 128-row x tiles (half the x bytes a MAC) were slower at every shape (gate_up at
+      M = 256: 145 us);
     - 8-bit codes, lighter to decode: 128 rows of W in 4 warps against 64-row x tiles, and as
-      int4 against 128-row ones, with 4 stages (180 us a layer against 189 with 3).
+      int4 against 128- and 256-row ones, with 4 stages (M = 128: 180 us a layer against 189
+      with 3; M = 256: 271 against 320 in two 128-row x tiles).
     K split by _split."""
-    block_m = min(MMA_MAX_M[bits], max(16, 1 << (m - 1).bit_length()))
+    block_m = min(MMA_X_TILE_MAX, max(16, 1 << (m - 1).bit_length()))
     k_step = group if group < k else _per_channel_step(k)
     if block_m <= 32:
         return MmaTiles(64, 0, block_m, k_step=k_step)
     if bits == 4:
         return MmaTiles(128, 0, block_m, num_warps=8, k_step=k_step)
-    if block_m == 128:
+    if block_m >= 128:
         return MmaTiles(128, 0, block_m, num_warps=8, num_stages=4, k_step=k_step)
     return MmaTiles(128, 0, block_m, k_step=k_step)
 

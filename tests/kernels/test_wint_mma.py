@@ -116,12 +116,12 @@ def test_wint_mma_applies_only_to_its_formats():
 
 
 def test_wint_mma_applies_by_rows_and_size():
-    """int4 at 3..256 rows; 8-bit codes at 33..128, and at 3..MMA_W8_SMALL_MAX_M (32) only for
+    """int4 at 3..1024 rows; 8-bit codes at 33..512, and at 3..MMA_W8_SMALL_MAX_M (32) only for
     weights of at most MMA_W8_SMALL_MAX_CODES codes (quant_gemm's tile kernel for larger ones);
     past the largest M, dequantize + cuBLAS."""
-    assert _applies(256) and not _applies(257)
-    assert _applies(65, bits=8, group=256) and _applies(128, bits=8, group=256)
-    assert not _applies(129, bits=8, group=256)
+    assert _applies(1024) and not _applies(1025)
+    assert _applies(65, bits=8, group=256) and _applies(512, bits=8, group=256)
+    assert not _applies(513, bits=8, group=256)
     small_n = mma.MMA_W8_SMALL_MAX_CODES // 4096  # qkv-sized at K = 4096
     assert _applies(16, bits=8, group=4096, k=4096, n=small_n)
     assert not _applies(16, bits=8, group=4096, k=4096, n=small_n + 1)
@@ -133,7 +133,7 @@ def test_wint_mma_applies_by_rows_and_size():
 @needs_triton
 @pytest.mark.parametrize("bits, group, m", [(4, 64, 5), (8, -1, 70)])
 def test_wint_gemm_dispatches_decode_batches_to_wint_mma(monkeypatch, bits, group, m):
-    """quant_gemm sends symmetric int4 at 3..MMA_MAX_M[4] (256) rows and 8-bit codes at 33..128
+    """quant_gemm sends symmetric int4 at 3..MMA_MAX_M[4] (1024) rows and 8-bit codes at 33..512
     here (bias and the gated silu after)."""
     calls = []
     real = qg.wint_mma_gemm
@@ -151,11 +151,13 @@ def test_wint_gemm_dispatches_decode_batches_to_wint_mma(monkeypatch, bits, grou
 
 
 @needs_triton
-@pytest.mark.parametrize("bits, group, rows", [(8, -1, 35), (4, 64, 100)])
+@pytest.mark.parametrize("bits, group, rows", [(8, -1, 35), (4, 64, 100), (8, -1, 150),
+                                               (4, 64, 300)])
 def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch, bits, group, rows):
     """65..MMA_MAX_M rows of a symmetric layer go to wint_mma, not to dequantize + cuBLAS: 70
-    rows of 8-bit codes (one 128-row x tile), 200 of int4 (two); the default tiles at that M,
-    against float64."""
+    rows of 8-bit codes (one 128-row x tile), 200 of int4 (one 256-row x tile), 300 of 8-bit
+    codes and 600 of int4 (two and three 256-row x tiles, the last ragged); the default tiles
+    at that M, against float64."""
     calls = []
     real = qg.wint_mma_gemm
     monkeypatch.setattr(qg, "wint_mma_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -168,9 +170,19 @@ def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch, bits,
                      f"W{bits} {2 * rows} rows")  # fmt: skip
 
 
+def test_wint_mma_tiles_past_one_x_tile():
+    """Past MMA_X_TILE_MAX rows x is cut into 256-row tiles: int4 and 8-bit codes both take 128
+    rows of W in 8 warps there (8-bit codes with 4 stages)."""
+    cpu = torch.device("cpu")
+    int4 = mma.wint_mma_tiles(700, 28672, 4096, 128, 4, cpu)
+    w8 = mma.wint_mma_tiles(300, 28672, 4096, 4096, 8, cpu)
+    assert (int4.block_n, int4.block_m, int4.num_warps) == (128, mma.MMA_X_TILE_MAX, 8)
+    assert (w8.block_n, w8.block_m, w8.num_warps, w8.num_stages) == (128, 256, 8, 4)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [3, 16, 64, 100, 200])
+@pytest.mark.parametrize("m", [3, 16, 64, 100, 200, 300, 1000])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1000, 4096)])
 def test_gpu_wint_mma_default_tiles(n, k, m, dtype):
     """The PTX decodes (prmt + lop3 + packed FMA) at Llama-3.1-8B shapes with the default tiles,
