@@ -56,8 +56,11 @@ def attention_backend_for(requested: str, device: torch.device, head_dim: int) -
 
 
 def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: int,
-                           backend: str, block_size: int, kv_dtype: torch.dtype) -> int:
-    """Run the largest prefill a step can hold and measure what it needed beyond the weights.
+                           backend: str, block_size: int, kv_dtype: torch.dtype,
+                           logit_rows: int) -> int:
+    """Run the largest prefill a step can hold and the LM head on ``logit_rows`` of it (a step
+    samples at most one row a sequence), and measure what they needed beyond the weights: a
+    quantized head past wint_mma's rows is dequantized into a dense temporary, which counts.
 
     Its KV goes in blocks of the engine's ``block_size`` and ``kv_dtype``, so the prefill
     attention compiles and loads here the variant that the first long prompt would otherwise (on
@@ -77,7 +80,7 @@ def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: 
     positions = torch.arange(seq_len, device=device).repeat(num_seqs)
     with torch.inference_mode():
         hidden = model(ids, positions, meta)
-        model.compute_logits(hidden[-min(num_seqs * seq_len, 256):])
+        model.compute_logits(hidden[-min(num_seqs * seq_len, logit_rows):])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del caches, meta, hidden
@@ -98,7 +101,8 @@ def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, max_model_len: 
     elif loaded.device.type == "cuda":
         knob = "gpu_memory_utilization"
         peak = _peak_activation_bytes(loaded, config.scheduler.max_num_batched_tokens,
-                                      max_model_len, backend, cc.block_size, kv_dtype)
+                                      max_model_len, backend, cc.block_size, kv_dtype,
+                                      config.scheduler.max_num_seqs)
         free, total = torch.cuda.mem_get_info(loaded.device)
         budget = cc.gpu_memory_utilization * total - (total - free) - peak
         num_blocks = max(0, int(budget // per_block))
