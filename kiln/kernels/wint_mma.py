@@ -15,10 +15,10 @@ offset, exactly:
 decoded [BLOCK_N, K step] tile is in K order, so tl.dot takes x^T [K step, BLOCK_M] as loaded:
 Triton stages it through shared memory with cp.async, and a dot whose operands come from those
 staging buffers and that accumulates in place stays in flight while the next step decodes
-(wgmma waits with pendings > 0). Group-wise scales (a K step lies in one group) therefore
-multiply the decoded weights (rounded to x's dtype, as the dequantized reference's) once x tiles
-are larger than 32 rows; up to 32 rows, where that would be 2-4 multiplies per output element,
-they multiply each step's float32 dot result instead, and the dot is waited on every step.
+(wgmma waits with pendings > 0). Group-wise scales (one group a K step) therefore multiply the
+decoded weights (rounded to x's dtype, as the dequantized reference's) once x tiles are larger
+than 32 rows; up to 32 rows, where that would be 2-4 multiplies per output element, they
+multiply each group's float32 dot result instead, and the dot is waited on every step.
 Per-channel scales multiply the accumulator once at the end. (Decoding codes i and i + 16 / b
 and permuting x's columns to match, as this kernel did before, put x through registers and kept
 every dot synchronous: results/h100/wint_mma_natural.txt.)
@@ -94,9 +94,7 @@ class MmaTiles:
     block_m: int  # rows of x a program takes (a power of two >= 16; more rows: more x tiles)
     num_warps: int = 4
     num_stages: int = 3
-    # codes of K per step, dividing the scale group (or K, per channel); 0: the group (per
-    # channel: _per_channel_step)
-    k_step: int = 0
+    k_step: int = 128  # codes of K per step with per-channel scales (group-wise: the group)
 
 
 @triton.jit
@@ -135,8 +133,7 @@ def _code_pairs(words, BITS: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr,
 def _wint_mma_kernel(
     x_ptr, w_ptr, s_ptr, smooth_ptr, out_ptr, part_ptr, count_ptr,
     M, N, KW, kw_per_split, stride_xm, stride_wn, stride_sn, stride_om,
-    BITS: tl.constexpr, STEP_W: tl.constexpr, GROUP_W: tl.constexpr, GROUPED: tl.constexpr,
-    HAS_SMOOTH: tl.constexpr,
+    BITS: tl.constexpr, STEP_W: tl.constexpr, GROUPED: tl.constexpr, HAS_SMOOTH: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -169,10 +166,10 @@ def _wint_mma_kernel(
         if not GROUPED:
             acc = tl.dot(w, xt, acc)
         elif BLOCK_M <= 32:  # a multiply per output: 1/4 of folding's at 16 rows
-            s = tl.load(s_ptr + rows * stride_sn + kw0 // GROUP_W).to(tl.float32)
+            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W).to(tl.float32)
             acc += tl.dot(w, xt) * s[:, None]  # (the MMA waited on every step)
         else:  # scales folded into the weight (rounded to dt as the dequantized reference's):
-            s = tl.load(s_ptr + rows * stride_sn + kw0 // GROUP_W)  # the MMA accumulates in
+            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)  # the MMA accumulates in
             acc = tl.dot(w * s[:, None], xt, acc)  # place and runs on while the next step decodes
     if not GROUPED:
         acc = acc * tl.load(s_ptr + rows * stride_sn).to(tl.float32)[:, None]
@@ -292,9 +289,8 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     assert x.stride(1) == 1 and words.stride(1) == 1 and scales.stride(1) == 1
     assert scales.shape == (n, k // group if grouped else 1)
     tiles = tiles or wint_mma_tiles(m, n, k, group, bits, x.device)
-    k_step = tiles.k_step or (group if grouped else _per_channel_step(k))
-    assert (group if grouped else k) % k_step == 0 and k_step % cpw == 0, \
-        f"a K step of {k_step} codes must divide the scale group ({group}) and hold whole words"
+    k_step = group if grouped else tiles.k_step
+    assert k % k_step == 0 and k_step % cpw == 0
     x_tiles, row_tiles = triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n)
     assert x_tiles * row_tiles <= _COUNTER_CAPACITY, \
         f"{m} x {n}: more output tiles than the split-K counters"
@@ -308,8 +304,8 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     _wint_mma_kernel[(x_tiles, row_tiles, split)](
         x, words, scales, smooth if smooth is not None else scales, out, parts, counters,
         m, n, kw, steps_per_split * step_w, x.stride(0), words.stride(0), scales.stride(0),
-        out.stride(0), BITS=bits, STEP_W=step_w, GROUP_W=(group if grouped else k_step) // cpw,
-        GROUPED=grouped, HAS_SMOOTH=smooth is not None, SPLIT=split, ASM=x.is_cuda,
+        out.stride(0), BITS=bits, STEP_W=step_w, GROUPED=grouped,
+        HAS_SMOOTH=smooth is not None, SPLIT=split, ASM=x.is_cuda,
         BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x.device),
     )  # fmt: skip

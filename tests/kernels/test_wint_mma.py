@@ -52,24 +52,6 @@ def test_wint_mma_matches_float64(bits, n, k, group, m, split):
 
 
 @needs_triton
-@pytest.mark.parametrize("m, block_m", [(5, 16), (40, 64)])
-@pytest.mark.parametrize("split", [1, 2])
-def test_wint_mma_k_steps_within_a_group(m, block_m, split):
-    """K steps of half a scale group (two steps a group; smaller x stages): scales after the
-    dot at 16 rows and folded into the weights at 64, against float64."""
-    _check(80, 512, 4, 128, m, torch.float16, "cpu",
-           mma.MmaTiles(64, split, block_m, k_step=64), seed=m + split)
-
-
-def test_wint_mma_rejects_a_k_step_across_groups():
-    x = torch.zeros(4, 256, dtype=torch.float16)
-    words = torch.zeros(8, 32, dtype=torch.int32)
-    scales = torch.ones(8, 4, dtype=torch.float16)
-    with pytest.raises(AssertionError, match="must divide the scale group"):
-        mma.wint_mma_gemm(x, words, scales, 4, 64, tiles=mma.MmaTiles(64, 1, 16, k_step=128))
-
-
-@needs_triton
 @pytest.mark.parametrize("m, block_m", [(4, 16), (40, 64)])
 @pytest.mark.parametrize("bits, group", [(4, 64), (8, -1)])
 def test_wint_mma_smooth(bits, group, m, block_m):
