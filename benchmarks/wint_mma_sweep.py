@@ -66,8 +66,10 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
     words, scales = make_weight(n, k, bits, group, gen)
     g = group or k
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-    qweight = words if bits == 4 else words.view(torch.uint8)  # kiln/quant's packing
-    ref = x.double() @ wint_dequant_ref(qweight, scales, None, bits, g, torch.float64).t()
+    def packed(w: torch.Tensor) -> torch.Tensor:  # int32 words in kiln/quant's packing
+        return w if bits == 4 else w.view(torch.uint8)
+
+    ref = x.double() @ wint_dequant_ref(packed(words), scales, None, bits, g, torch.float64).t()
     wbytes = words.numel() * 4 + scales.numel() * 2
 
     def checked(run) -> float | str:  # run(args): the op on (words, scales) copies
@@ -82,15 +84,14 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
     def timed(tiles: MmaTiles | None) -> float | str:
         return checked(lambda a: lambda: wm.wint_mma_gemm(x, a[0], a[1], bits, g, tiles=tiles))
 
-    codes = (lambda a: a[0]) if bits == 4 else (lambda a: a[0].view(torch.uint8))
     row = dict(bits=bits, m=m, default=str(wm.wint_mma_tiles(m, n, k, g, bits, x.device)),
                bf16_us=time_graph_us(rotating([dense], lambda a: lambda: x @ a[0].t()),
                                      dense.numel() * 2),
                default_us=timed(None),
                library_us=checked(lambda a: lambda: wint_linear_triton(
-                   x, codes(a), a[1], None, bits, g)),
+                   x, packed(a[0]), a[1], None, bits, g)),
                dequant_us=checked(lambda a: lambda: x @ wint_dequant_triton(
-                   codes(a), a[1], None, bits, g, x.dtype).t()))
+                   packed(a[0]), a[1], None, bits, g, x.dtype).t()))
     if default_only:
         return row
     k_step = g if g < k else wm._per_channel_step(k)
