@@ -6,9 +6,10 @@ where the engine leaves the GEMMs to cuBLAS: --ms 128,256,512 --dtypes bf16 show
 
 For each Llama-3.1-8B GEMM shape (gate_up also gated: silu(gate) * up, and the LM head with
 float32 logits), M and operand type: cuBLAS (torch.mm for bf16, torch._scaled_mm for FP8
-W8A8; + silu_and_mul where gated), the Triton kernel with its default tiles (gemm_config), and
-alternative tiles, each checked against float64 math and timed in a CUDA graph over
-rotating weight copies (the timer of benchmarks/gpu_quant.py). FP8 paths take activation codes
+W8A8; + silu_and_mul where gated), the Triton kernel with its default tiles (gemm_config), the
+same in stream-K ranges ("default p<programs>") and alternative tiles, each checked against
+float64 math and timed in a CUDA graph over rotating weight copies (the timer of
+benchmarks/gpu_quant.py). FP8 paths take activation codes
 quantized beforehand, as the engine's RMSNorm hands them to qkv and gate_up; the standalone
 quantizer that o_proj and down_proj add is timed on its own row. Prints one line per case and
 writes every row to JSON.
@@ -28,8 +29,9 @@ from kiln.kernels.activation import silu_and_mul, silu_and_mul_ref
 from kiln.kernels.gemm import GemmTiles, gemm_config, gemm_triton
 from kiln.quant import w8a8
 
-# (block_m, block_n, block_k, num_warps, num_stages) per operand width; K splits were swept
-# until they lost at every shape (gemm_sweep.txt) and left the kernel
+# (block_m, block_n, block_k, num_warps, num_stages) per operand width; K splits of each tile
+# were swept until they lost at every shape (gemm_sweep.txt); stream-K ranges of the default
+# tiles over one and two programs an SM are timed too
 ALTERNATIVES = {
     "fp8": [(64, 32, 128, 8, 6), (64, 64, 256, 4, 3), (64, 128, 128, 4, 4), (64, 128, 256, 8, 3),
             (64, 32, 256, 4, 4), (64, 32, 256, 4, 6), (64, 32, 256, 8, 6), (64, 16, 256, 4, 6),
@@ -97,6 +99,8 @@ def run_case(n: int, k: int, m: int, dtype: str, layer: str) -> list[dict]:
         if layer in ("qkv", "o_proj",
                                                                           "gate_up", "down_proj")
         and k % c[2] == 0 and (c[0] >= min(m, 64) or c[0] == 16)}
+    sms = num_sms(x.device)  # the default tiles in stream-K ranges (kiln/kernels/k_ranges.py)
+    configs |= {f"default p{p}": default._replace(programs=p) for p in (sms, 2 * sms)}
     paths = {"cublas": cublas} | {label: triton_path(cfg) for label, cfg in configs.items()}
     rows = []
     wbytes = sum(t.numel() * t.element_size() for t in weights)

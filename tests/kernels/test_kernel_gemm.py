@@ -13,6 +13,7 @@ import torch
 from kernel_testing import assert_rel_close, gpu, needs_triton
 
 from kiln.kernels.gemm import GemmTiles, gemm_config, gemm_ref, gemm_triton
+from kiln.kernels.k_ranges import arrival_counters
 from kiln.quant import w8a8
 
 # tiny tiles for the interpreter: K in one, four and eight steps, ragged rows
@@ -50,6 +51,31 @@ def test_16_bit_gemm_matches_reference(dtype, m, config):
     out = gemm_triton(x, w, bias, config=config)
     assert out.dtype == dtype
     assert_rel_close(out.float(), gemm_ref(x, w, bias, torch.float32), 2e-3, f"{dtype} {config}")
+
+
+@needs_triton
+@pytest.mark.parametrize("programs", [3, 5, 16])
+@pytest.mark.parametrize("fp8, gated", [(False, False), (True, False), (False, True)])
+def test_stream_k_gemm_matches_reference(fp8, gated, programs):
+    """Programs sharing the tiles' K steps (2 row tiles x 3 column tiles of 8 steps): ranges
+    that end inside a tile and go on in the next, the epilogue (scales, bias, silu) applied
+    once to the summed partials; a second launch gives the same bits and leaves the counters
+    at zero."""
+    gen = torch.Generator().manual_seed(programs)
+    x = torch.randn(20, 256, generator=gen)
+    w = torch.randn(96, 256, generator=gen) / 16
+    bias = torch.randn(96, generator=gen)
+    if fp8:
+        wq, ws = w8a8.quantize_weight(w, "fp8", "channel")
+        xq, xs = w8a8.quant_per_token_ref(x, "fp8")
+        args = (xq, wq, bias, torch.float32, xs, ws)
+    else:
+        args = (x.half(), w.half(), bias.half(), torch.float32)
+    config = GemmTiles(16, 32, 32, 4, 2, programs=programs)
+    out = gemm_triton(*args, gated=gated, config=config)
+    torch.testing.assert_close(out, gemm_ref(*args, gated=gated), rtol=1e-5, atol=1e-4)
+    assert torch.equal(gemm_triton(*args, gated=gated, config=config), out)
+    assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 def test_config_narrow_layers_take_narrow_deep_tiles():
@@ -91,7 +117,9 @@ def test_gpu_w8a8_through_the_triton_gemm(m):
 @pytest.mark.parametrize("m", [7, 64, 100])
 @pytest.mark.parametrize("fp8,config", [
     (False, GemmTiles(64, 64, 128, 4, 4)), (False, GemmTiles(64, 32, 128, 4, 7)),
-    (True, GemmTiles(64, 64, 256, 4, 3)), (True, GemmTiles(64, 32, 256, 4, 6))])
+    (True, GemmTiles(64, 64, 256, 4, 3)), (True, GemmTiles(64, 32, 256, 4, 6)),
+    (False, GemmTiles(64, 64, 128, 4, 4, programs=132)),  # stream-K: programs run at once
+    (True, GemmTiles(64, 32, 256, 4, 6, programs=132))])
 def test_gpu_gemm_tiles(fp8, m, config):
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(4096, 4096, generator=gen) / 64

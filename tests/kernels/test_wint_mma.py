@@ -19,6 +19,7 @@ from test_quant_gemm import make_weight, naive  # noqa: E402
 
 from kiln.kernels import quant_gemm as qg  # noqa: E402
 from kiln.kernels import wint_mma as mma  # noqa: E402
+from kiln.kernels.k_ranges import arrival_counters  # noqa: E402
 
 
 def _check(n, k, bits, group, m, dtype, device, tiles=None, smooth=False, seed=0, tol=3e-3):
@@ -84,7 +85,7 @@ def test_wint_mma_split_sum_is_repeatable_and_counters_reset():
     first, args = _check(130, 512, 4, 64, 6, torch.float16, "cpu", tiles)
     again = mma.wint_mma_gemm(args[0], args[1], args[2], 4, 64, tiles=tiles)
     assert torch.equal(first, again)
-    assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
+    assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 @needs_triton
@@ -94,7 +95,32 @@ def test_wint_mma_tiles_x_rows(bits, group, split):
     each with its own split-K partials and counters; the counters are back at zero after."""
     _check(80, 384, bits, group, 40, torch.float16, "cpu", mma.MmaTiles(64, split, 16),
            seed=split)
-    assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
+    assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("programs", [2, 5, 7, 24])
+@pytest.mark.parametrize("bits, n, k, group, m, block_m", [
+    (4, 130, 512, 64, 6, 16),  # 3 row tiles of 8 steps: ranges of 12, 4.8, 3.4 and 1 steps
+    (8, 130, 96, -1, 5, 16),  # per channel, 32-code steps: 3 a tile
+    (4, 80, 384, 64, 40, 16),  # 2 row tiles x 3 x tiles (the last ragged)
+    (4, 80, 384, 64, 40, 64),  # scales folded into the weights past 32 rows
+])  # fmt: skip
+def test_wint_mma_stream_k(bits, n, k, group, m, block_m, programs):
+    """A fixed program count sharing every tile's K steps: ranges that end inside one tile and
+    go on in the next (two partials a program), whole tiles stored straight; a second launch
+    gives the same bits and leaves the counters at zero."""
+    tiles = mma.MmaTiles(64, 0, block_m, k_step=32, programs=programs)
+    first, args = _check(n, k, bits, group, m, torch.float16, "cpu", tiles, seed=programs)
+    again = mma.wint_mma_gemm(args[0], args[1], args[2], bits, k if group == -1 else group,
+                              tiles=tiles)
+    assert torch.equal(first, again)
+    assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
+
+
+def test_wint_mma_tiles_take_a_split_or_a_program_count():
+    with pytest.raises(ValueError, match="not both"):
+        mma.MmaTiles(64, 2, 16, programs=8)
 
 
 def _applies(m, bits=4, group=128, k=256, n=64, zeros=None, perm=None, fp8=False,
@@ -202,3 +228,22 @@ def test_gpu_wint_mma_wide_n_tiles(bits, group):
     tiles = mma.wint_mma_tiles(100, 28672, 4096, group, bits, torch.device("cuda"))
     assert tiles.num_warps == 8 and tiles.block_n == 128 and tiles.block_m == 128
     _check(28672, 4096, bits, group, 100, torch.bfloat16, "cuda", tol=2e-2, seed=bits)
+
+
+@gpu
+@pytest.mark.parametrize("m, block_m, warps", [(64, 64, 4), (256, 256, 8)])
+@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
+def test_gpu_wint_mma_stream_k_runs_concurrently(bits, group, m, block_m, warps):
+    """Stream-K with one program an SM at qkv's shape (48-96 row tiles: most ranges end inside
+    a tile and go on in the next, so programs keep two partials while others sum them): the
+    slots must not collide while programs run at once. Ten launches give the same bits."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = mma.MmaTiles(128 if warps == 8 else 64, 0, block_m, num_warps=warps, k_step=128,
+                         programs=sms)
+    first, args = _check(6144, 4096, bits, group, m, torch.bfloat16, "cuda", tiles, tol=2e-2,
+                         seed=m + bits)
+    g = 4096 if group == -1 else group
+    for _ in range(10):
+        assert torch.equal(mma.wint_mma_gemm(args[0], args[1], args[2], bits, g, tiles=tiles),
+                           first)
+    assert int(arrival_counters(torch.device("cuda")).abs().sum()) == 0
