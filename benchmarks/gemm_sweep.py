@@ -2,7 +2,7 @@
 where the engine leaves the GEMMs to cuBLAS: --ms 128,256,512 --dtypes bf16 shows by how much).
 
     PYTHONPATH=. python3 benchmarks/gemm_sweep.py --out $OUT/gemm.json [--ms 16,32,64,128]
-        [--dtypes bf16,fp8]
+        [--dtypes bf16,fp8] [--layers qkv,o_proj] [--stream-k]
 
 For each Llama-3.1-8B GEMM shape (gate_up also gated: silu(gate) * up, and the LM head with
 float32 logits), M and operand type: cuBLAS (torch.mm for bf16, torch._scaled_mm for FP8
@@ -56,9 +56,10 @@ SHAPES = [(6144, 4096, "qkv"), (4096, 4096, "o_proj"), (28672, 4096, "gate_up"),
           (4096, 14336, "down_proj"), (28672, 4096, "gate_up gated"), (128256, 4096, "lm_head")]
 
 
-def run_case(n: int, k: int, m: int, dtype: str, layer: str) -> list[dict]:
+def run_case(n: int, k: int, m: int, dtype: str, layer: str, alternatives: bool) -> list[dict]:
     """gated: silu(gate) * up in the epilogue against cuBLAS + silu_and_mul; lm_head: float32
-    logits; both only with the default tiles."""
+    logits; both only with the default tiles (and its stream-K ranges), as every layer without
+    ``alternatives``."""
     gated = layer.endswith("gated")
     out_dtype = torch.float32 if layer == "lm_head" else None
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
@@ -96,8 +97,7 @@ def run_case(n: int, k: int, m: int, dtype: str, layer: str) -> list[dict]:
     configs = {"default": default} | {
         str(c): GemmTiles(*c) for c in ALTERNATIVES.get(f"{dtype}_large" if m > 64 else dtype,
                                                           ALTERNATIVES[dtype])
-        if layer in ("qkv", "o_proj",
-                                                                          "gate_up", "down_proj")
+        if alternatives and layer in ("qkv", "o_proj", "gate_up", "down_proj")
         and k % c[2] == 0 and (c[0] >= min(m, 64) or c[0] == 16)}
     sms = num_sms(x.device)  # the default tiles in stream-K ranges (kiln/kernels/k_ranges.py)
     configs |= {f"default p{p}": default._replace(programs=p) for p in (sms, 2 * sms)}
@@ -128,6 +128,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bf16,fp8")
     parser.add_argument("--layers", default=",".join(layer for _, _, layer in SHAPES),
                         help="comma-separated layer names of SHAPES")
+    parser.add_argument("--stream-k", action="store_true",
+                        help="cuBLAS, the default tiles and their stream-K ranges only")
     args = parser.parse_args()
     rows = []
     layers = args.layers.split(",")
@@ -138,7 +140,7 @@ def main() -> None:
             if layer not in layers or (dtype == "fp8" and layer == "lm_head"):
                 continue  # FP8 W8A8 keeps a 16-bit LM head
             for m in (int(v) for v in args.ms.split(",")):
-                case = run_case(n, k, m, dtype, layer)
+                case = run_case(n, k, m, dtype, layer, not args.stream_k)
                 rows += case
                 timed = {r["path"]: r for r in case if "us" in r}
                 quantizer = timed.pop("quantizer", None)
