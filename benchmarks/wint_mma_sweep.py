@@ -2,7 +2,7 @@
 the Llama-3.1-8B layer shapes, next to bf16 cuBLAS; JSON out, one line a (layer, bits, M).
 
     PYTHONPATH=. python3 benchmarks/wint_mma_sweep.py --out F [--ms 16,32,64,128,256,512,1024]
-        [--default-only | --stream-k]
+        [--default-only | --options]
 
 Whichever kiln is first on the path is swept, so two trees compare on one machine (an older
 tree's kiln first on PYTHONPATH, with --default-only: its wint_mma_tiles picks). Weights are
@@ -12,9 +12,10 @@ quant_gemm.wint_dequant_ref (relative error < 1e-2) before it is timed, the same
 benchmarks/gpu_quant.py (a graph of the op on rotating weight copies, so the weights come from
 HBM, not the 50 MB L2). Candidates: 64 or 128 rows of W against x tiles of the next power of
 two >= M rows (at most MMA_X_TILE_MAX) or half that, 4 or 8 warps, 3 or 4 stages; each at the
-split _split picks ("*" in its key), half and twice it, and in stream-K ranges over one and two
-programs an SM ("p<programs>" in its key; --stream-k: only those, of the default tiles, next to
-the default). Each row also times what the library
+split _split picks ("*" in its key), half and twice it, in stream-K ranges over one and two
+programs an SM ("p<programs>" in its key), and each of those with x through TMA ("x" appended;
+--options: only the default tiles with those options, next to the default). Each row also
+times what the library
 runs at that M (quant_gemm.wint_linear_triton: dequantize + cuBLAS past MMA_MAX_M) and
 dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against.
 """
@@ -65,7 +66,7 @@ def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
 
 
 def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generator,
-              dense: torch.Tensor, default_only: bool, stream_k_only: bool) -> dict:
+              dense: torch.Tensor, default_only: bool, options_only: bool) -> dict:
     words, scales = make_weight(n, k, bits, group, gen)
     g = group or k
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -100,16 +101,18 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
     k_step = g if g < k else wm._per_channel_step(k)
     default = wm.wint_mma_tiles(m, n, k, g, bits, x.device)
     sms = wm.num_sms(x.device)
-    for t in [default] if stream_k_only else candidates(m, bits, k_step):
+    for t in [default] if options_only else candidates(m, bits, k_step):
         name = f"{t.block_n}x{t.block_m}w{t.num_warps}s{t.num_stages}"
-        for programs in (sms, 2 * sms):
-            row[f"{name}p{programs}"] = timed(replace(t, split=0, programs=programs))
-        if stream_k_only:
-            continue
         out_tiles = -(-m // t.block_m) * -(-n // t.block_n)
         rule = wm._split(t, out_tiles, k // k_step, x.device)
-        for split in sorted({max(1, rule // 2), rule, rule * 2}):
-            row[f"{name}k{split}{'*' if split == rule else ''}"] = timed(replace(t, split=split))
+        splits = [rule] if options_only else sorted({max(1, rule // 2), rule, rule * 2})
+        runs = {f"k{split}{'*' if split == rule else ''}": replace(t, split=split)
+                for split in splits}
+        runs |= {f"p{p}": replace(t, split=0, programs=p) for p in (sms, 2 * sms)}
+        for key, tiles in runs.items():
+            if not (options_only and key.startswith("k")):  # (the default's row is there)
+                row[name + key] = timed(tiles)
+            row[name + key + "x"] = timed(replace(tiles, x_tma=True))
     return row
 
 
@@ -120,8 +123,8 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--default-only", action="store_true",
                       help="time wint_mma_tiles' picks only (and bf16)")
-    mode.add_argument("--stream-k", action="store_true",
-                      help="also time the default tiles in stream-K ranges, nothing else")
+    mode.add_argument("--options", action="store_true",
+                      help="the default tiles with stream-K ranges and x through TMA only")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -130,7 +133,7 @@ def main() -> None:
         for bits, group in FORMATS:
             for m in (int(v) for v in args.ms.split(",")):
                 row = dict(shape=name, **sweep_one(n, k, bits, group, m, gen, dense,
-                                                   args.default_only, args.stream_k))
+                                                   args.default_only, args.options))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 with open(args.out, "w") as f:  # after every row: a cut-short run keeps its data

@@ -118,6 +118,28 @@ def test_wint_mma_stream_k(bits, n, k, group, m, block_m, programs):
     assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
+@needs_triton
+@pytest.mark.parametrize("bits, group, m, block_m, smooth", [
+    (4, 64, 6, 16, False), (4, 64, 40, 64, True), (8, -1, 40, 64, False), (8, -1, 5, 16, True),
+])  # fmt: skip
+def test_wint_mma_x_through_tma(bits, group, m, block_m, smooth):
+    """x tiles through a TMA descriptor (rows past M beyond the tensor), split and stream-K;
+    an x whose base is not 16-byte aligned takes the pointer loads instead."""
+    for tiles in (mma.MmaTiles(64, 2, block_m, k_step=32, x_tma=True),
+                  mma.MmaTiles(64, 0, block_m, k_step=32, x_tma=True, programs=5)):
+        _, args = _check(80, 384, bits, group, m, torch.float16, "cpu", tiles, smooth=smooth,
+                         seed=m)
+    g = 384 if group == -1 else group
+    unaligned = torch.empty(m * 384 + 1, dtype=torch.float16)[1:].view(m, 384)
+    unaligned.copy_(args[0])
+    assert unaligned.data_ptr() % 16 != 0
+    assert torch.equal(mma.wint_mma_gemm(unaligned, args[1], args[2], bits, g, args[3],
+                                         tiles=tiles),
+                       mma.wint_mma_gemm(args[0], args[1], args[2], bits, g, args[3],
+                                         tiles=mma.MmaTiles(64, 0, block_m, k_step=32,
+                                                            programs=5)))
+
+
 def test_wint_mma_tiles_take_a_split_or_a_program_count():
     with pytest.raises(ValueError, match="not both"):
         mma.MmaTiles(64, 2, 16, programs=8)
@@ -247,3 +269,12 @@ def test_gpu_wint_mma_stream_k_runs_concurrently(bits, group, m, block_m, warps)
         assert torch.equal(mma.wint_mma_gemm(args[0], args[1], args[2], bits, g, tiles=tiles),
                            first)
     assert int(arrival_counters(torch.device("cuda")).abs().sum()) == 0
+
+
+@gpu
+@pytest.mark.parametrize("m, block_m, warps", [(64, 64, 8), (256, 256, 8), (300, 256, 8)])
+@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
+def test_gpu_wint_mma_x_through_tma(bits, group, m, block_m, warps):
+    """x tiles through TMA at Llama-3.1-8B's qkv shape (300 rows: a ragged second x tile)."""
+    tiles = mma.MmaTiles(128, 0, block_m, num_warps=warps, k_step=128, x_tma=True)
+    _check(6144, 4096, bits, group, m, torch.bfloat16, "cuda", tiles, tol=2e-2, seed=m + bits)
