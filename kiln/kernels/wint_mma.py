@@ -23,18 +23,14 @@ Per-channel scales multiply the accumulator once at the end. (Decoding codes i a
 and permuting x's columns to match, as this kernel did before, put x through registers and kept
 every dot synchronous: results/h100/wint_mma_natural.txt.)
 
-Each program takes one even range of K steps of the output tiles' steps laid end to end. By
-default a range is 1/split of one tile's K (split-K), so that every SM has work when N alone
-gives too few tiles; with MmaTiles.programs the steps are cut into that many ranges, which may
-end inside one tile and go on in the next (stream-K: one program an SM whatever the tile count
-divides into; not yet timed on the GPU, so no default picks it, nor MmaTiles.x_tma). A tile's steps taken by
-several programs go through float32 partials: the last of them to finish adds the partials in
-program order (the same bits whatever the arrival order), writes the output, then resets the
-tile's arrival counter for the next launch. The counters are one zeroed int32 buffer per
-device, allocated on first use (which must not be inside a CUDA graph capture: run once
-eagerly). Two launches must not overlap in time on different streams of one device (with PDL,
-one stream's next kernel touches the counters only after its wait, when this kernel has
-finished).
+Each program takes one even range of K steps of the output tiles' steps laid end to end
+(kiln/kernels/k_ranges.py). By default a range is 1/split of one tile's K (split-K), so that
+every SM has work when N alone gives too few tiles; with MmaTiles.programs the steps are cut
+into that many ranges, which may end inside one tile and go on in the next (stream-K: one
+program an SM whatever the tile count divides into). A tile's steps taken by several programs
+go through float32 partials, added in program order by the last of them to finish (the same
+bits whatever the arrival order). MmaTiles.x_tma loads x tiles through a TMA descriptor instead
+of cp.async pointer loads. Neither option has been timed on a GPU yet, so no default picks them.
 
 H100, Llama-3.1-8B shapes, bf16, qkv + o + gate_up + down, each GEMM alone in a graph over
 rotating weight copies (results/h100/wint_mma_natural.txt): int4 g128 at M = 16 / 64 / 128 /
