@@ -1,0 +1,135 @@
+"""Compile a variant of the decode GEMM kernels for sm_90 on a host without a GPU and report what
+the machine code says: registers, spill stack, shared memory, and the K loop (the innermost
+loop holding the wgmmas): its instruction count and the loads in it. For checking a kernel
+change before a GPU run, not for speed: a shorter loop or fewer registers is a hint, no more.
+
+    python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
+        [--stages 3] [--k-step 128] [--per-channel] [--shared] [--crossing] [--x-tma]
+    python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8]
+        [--shared] [--crossing]
+    ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
+
+Integer arguments are compiled as a launch specializes them (divisible by 16), except those the
+kernel keeps unspecialized (M, tile counts). Triton's ptxas and nvdisasm do the work: whichever
+triton is first on the path is used (put the device's version first to see what it compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kiln.kernels import gemm, wint_mma  # noqa: E402
+
+UNSPECIALIZED = {"M", "x_tiles", "m_tiles", "iters"}
+
+
+def wint_mma_variant(a: argparse.Namespace) -> tuple:
+    """_wint_mma_kernel's signature and constants for the options (bf16 x)."""
+    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "smooth_ptr": "*bf16",
+           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    consts = dict(BITS=a.bits, STEP_W=a.k_step * a.bits // 32, GROUPED=not a.per_channel,
+                  HAS_SMOOTH=False, SHARED=a.shared, CROSSING=a.crossing, X_TMA=a.x_tma,
+                  ASM=True, BLOCK_N=a.block_n, BLOCK_M=a.block_m, USE_PDL=False)
+    if a.x_tma:
+        sig["x_desc"] = f"tensordesc<bf16[{a.block_m},{a.k_step}]>"
+    else:
+        consts["x_desc"] = None
+    return wint_mma._wint_mma_kernel, sig, consts
+
+
+def gemm_variant(a: argparse.Namespace) -> tuple:
+    """_gemm_kernel's signature and constants (bf16 operands, or e4m3 with --fp8)."""
+    el = "fp8e4nv" if a.fp8 else "bf16"
+    sig = {"x_ptr": f"*{el}", "xs_ptr": "*fp32", "w_ptr": f"*{el}", "ws_ptr": "*fp32",
+           "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    consts = dict(SCALED=a.fp8, HAS_BIAS=False, GATED=False, SHARED=a.shared,
+                  CROSSING=a.crossing, BLOCK_M=a.block_m, BLOCK_N=a.block_n,
+                  BLOCK_K=a.block_k, USE_PDL=False)
+    return gemm._gemm_kernel, sig, consts
+
+
+def k_loop(sass: str) -> list[str]:
+    """The instructions of the innermost loop with wgmmas (a label, then a branch back to it)."""
+    lines = sass.splitlines()
+    labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:$", line)}
+    best: list[str] = []
+    for i, line in enumerate(lines):
+        back = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if back and labels.get(back.group(1), i) < i:
+            body = lines[labels[back.group(1)]:i + 1]
+            if any("GMMA" in b for b in body) and (not best or len(body) < len(best)):
+                best = body
+    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)",
+                      "\n".join(best), re.M)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", choices=["wint_mma", "gemm"])
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--block-n", type=int, default=128)
+    parser.add_argument("--block-m", type=int, default=None,
+                        help="x rows a tile (wint_mma: 256; gemm: 64)")
+    parser.add_argument("--block-k", type=int, default=128)
+    parser.add_argument("--k-step", type=int, default=128)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=3)
+    for flag in ("per-channel", "shared", "crossing", "x-tma", "fp8"):
+        parser.add_argument(f"--{flag}", action="store_true")
+    parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
+    a = parser.parse_args()
+    a.block_m = a.block_m or (256 if a.kernel == "wint_mma" else 64)
+    fn, sig, consts = (wint_mma_variant if a.kernel == "wint_mma" else gemm_variant)(a)
+    for name in fn.arg_names:  # the remaining arguments: int32 scalars
+        if name not in sig and name not in consts:
+            sig[name] = "i32"
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t == "i32" and n not in UNSPECIALIZED or t.startswith("*")}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                            options=dict(num_warps=a.warps, num_stages=a.stages))
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    loop = Counter(k_loop(sass))
+    report = dict(kernel=a.kernel, triton=triton.__version__,
+                  options={k: v for k, v in vars(a).items() if k not in ("kernel", "dump")},
+                  registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                  spill_stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                  shared_bytes=kernel.metadata.shared, k_loop_instructions=sum(loop.values()),
+                  k_loop_loads={op: n for op, n in loop.items()
+                                if op in ("LDG", "LDGSTS", "UTMALDG", "LDS", "LDL")},
+                  k_loop_wgmmas=loop["HGMMA"])
+    print(json.dumps(report))
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        for name, text in [("ttgir", kernel.asm["ttgir"]), ("ptx", kernel.asm["ptx"]),
+                           ("sass", sass)]:
+            with open(os.path.join(a.dump, f"{a.kernel}.{name}"), "w") as f:
+                f.write(text)
+
+
+if __name__ == "__main__":
+    main()
