@@ -1,0 +1,30 @@
+"""benchmarks/sm90_compile.py compiles the GEMM kernels for sm_90 without a GPU (Triton's own
+ptxas) and reads the machine code back: run it as a user would, on both kernels."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from kernel_testing import needs_triton
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sm90_compile.py")
+
+
+@needs_triton
+@pytest.mark.parametrize("args, wgmma_per_step", [
+    (["gemm", "--block-n", "32", "--stages", "2"], 8),  # 128-deep K steps of 16-deep wgmmas
+    (["wint_mma", "--block-n", "64", "--block-m", "64", "--k-step", "64", "--x-tma",
+      "--shared", "--crossing"], 4),
+])  # fmt: skip
+def test_sm90_compile_reports_the_k_loop(args, wgmma_per_step, tmp_path):
+    run = subprocess.run([sys.executable, SCRIPT, *args, "--dump", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert 0 < report["registers"] <= 255 and report["spill_stack_bytes"] == 0
+    assert report["k_loop_wgmmas"] == wgmma_per_step
+    assert report["k_loop_instructions"] > wgmma_per_step
+    assert ("UTMALDG" in report["k_loop_loads"]) == ("--x-tma" in args)
+    assert (tmp_path / f"{args[0]}.sass").read_text().count("HGMMA") >= wgmma_per_step
