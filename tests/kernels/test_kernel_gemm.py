@@ -53,6 +53,20 @@ def test_16_bit_gemm_matches_reference(dtype, m, config):
     assert_rel_close(out.float(), gemm_ref(x, w, bias, torch.float32), 2e-3, f"{dtype} {config}")
 
 
+def _float32_out_operands(m: int, n: int, fp8: bool, seed: int) -> tuple:
+    """gemm_triton's arguments for x [m, 256] @ w [n, 256]^T + bias with a float32 output:
+    e4m3 codes with their scales, or fp16 operands."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 256, generator=gen)
+    w = torch.randn(n, 256, generator=gen) / 16
+    bias = torch.randn(n, generator=gen)
+    if fp8:
+        wq, ws = w8a8.quantize_weight(w, "fp8", "channel")
+        xq, xs = w8a8.quant_per_token_ref(x, "fp8")
+        return xq, wq, bias, torch.float32, xs, ws
+    return x.half(), w.half(), bias.half(), torch.float32
+
+
 @needs_triton
 @pytest.mark.parametrize("programs", [3, 5, 16])
 @pytest.mark.parametrize("fp8, gated", [(False, False), (True, False), (False, True)])
@@ -61,16 +75,7 @@ def test_stream_k_gemm_matches_reference(fp8, gated, programs):
     that end inside a tile and go on in the next, the epilogue (scales, bias, silu) applied
     once to the summed partials; a second launch gives the same bits and leaves the counters
     at zero."""
-    gen = torch.Generator().manual_seed(programs)
-    x = torch.randn(20, 256, generator=gen)
-    w = torch.randn(96, 256, generator=gen) / 16
-    bias = torch.randn(96, generator=gen)
-    if fp8:
-        wq, ws = w8a8.quantize_weight(w, "fp8", "channel")
-        xq, xs = w8a8.quant_per_token_ref(x, "fp8")
-        args = (xq, wq, bias, torch.float32, xs, ws)
-    else:
-        args = (x.half(), w.half(), bias.half(), torch.float32)
+    args = _float32_out_operands(20, 96, fp8, seed=programs)
     config = GemmTiles(16, 32, 32, 4, 2, programs=programs)
     out = gemm_triton(*args, gated=gated, config=config)
     torch.testing.assert_close(out, gemm_ref(*args, gated=gated), rtol=1e-5, atol=1e-4)
@@ -140,16 +145,7 @@ def test_gpu_gemm_tiles(fp8, m, config):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_gated_gemm_is_gemm_then_silu_and_mul(fp8, config):
     """A merged [gate; up] projection (40 + 40 rows: ragged against every column tile)."""
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(9, 256, generator=gen)
-    w = torch.randn(80, 256, generator=gen) / 16
-    bias = torch.randn(80, generator=gen)
-    if fp8:
-        wq, ws = w8a8.quantize_weight(w, "fp8", "channel")
-        xq, xs = w8a8.quant_per_token_ref(x, "fp8")
-        args = (xq, wq, bias, torch.float32, xs, ws)
-    else:
-        args = (x.half(), w.half(), bias.half(), torch.float32)
+    args = _float32_out_operands(9, 80, fp8, seed=7)
     out = gemm_triton(*args, gated=True, config=config)
     assert out.shape == (9, 40)
     torch.testing.assert_close(out, gemm_ref(*args, gated=True), rtol=1e-5, atol=1e-4)
