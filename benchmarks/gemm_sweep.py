@@ -2,12 +2,13 @@
 where the engine leaves the GEMMs to cuBLAS: --ms 128,256,512 --dtypes bf16 shows by how much).
 
     PYTHONPATH=. python3 benchmarks/gemm_sweep.py --out $OUT/gemm.json [--ms 16,32,64,128]
-        [--dtypes bf16,fp8] [--layers qkv,o_proj] [--stream-k]
+        [--dtypes bf16,fp8] [--layers qkv,o_proj] [--options]
 
 For each Llama-3.1-8B GEMM shape (gate_up also gated: silu(gate) * up, and the LM head with
 float32 logits), M and operand type: cuBLAS (torch.mm for bf16, torch._scaled_mm for FP8
 W8A8; + silu_and_mul where gated), the Triton kernel with its default tiles (gemm_config), the
-same in stream-K ranges ("default p<programs>") and alternative tiles, each checked against
+same in stream-K ranges ("default p<programs>") and with TMA loads (" tma"; not for the gated
+weight, which keeps pointer loads), and alternative tiles (--options: none), each checked against
 float64 math and timed in a CUDA graph over rotating weight copies (the timer of
 benchmarks/gpu_quant.py). FP8 paths take activation codes
 quantized beforehand, as the engine's RMSNorm hands them to qkv and gate_up; the standalone
@@ -58,7 +59,7 @@ SHAPES = [(6144, 4096, "qkv"), (4096, 4096, "o_proj"), (28672, 4096, "gate_up"),
 
 def run_case(n: int, k: int, m: int, dtype: str, layer: str, alternatives: bool) -> list[dict]:
     """gated: silu(gate) * up in the epilogue against cuBLAS + silu_and_mul; lm_head: float32
-    logits; both only with the default tiles (and its stream-K ranges), as every layer without
+    logits; both only with the default tiles and their options, as every layer without
     ``alternatives``."""
     gated = layer.endswith("gated")
     out_dtype = torch.float32 if layer == "lm_head" else None
@@ -101,6 +102,9 @@ def run_case(n: int, k: int, m: int, dtype: str, layer: str, alternatives: bool)
         and k % c[2] == 0 and (c[0] >= min(m, 64) or c[0] == 16)}
     sms = num_sms(x.device)  # the default tiles in stream-K ranges (kiln/kernels/k_ranges.py)
     configs |= {f"default p{p}": default._replace(programs=p) for p in (sms, 2 * sms)}
+    if not gated:  # and with TMA loads
+        configs |= {f"{label} tma": configs[label]._replace(tma=True)
+                    for label in ("default", f"default p{sms}", f"default p{2 * sms}")}
     paths = {"cublas": cublas} | {label: triton_path(cfg) for label, cfg in configs.items()}
     rows = []
     wbytes = sum(t.numel() * t.element_size() for t in weights)
@@ -128,8 +132,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bf16,fp8")
     parser.add_argument("--layers", default=",".join(layer for _, _, layer in SHAPES),
                         help="comma-separated layer names of SHAPES")
-    parser.add_argument("--stream-k", action="store_true",
-                        help="cuBLAS, the default tiles and their stream-K ranges only")
+    parser.add_argument("--options", action="store_true",
+                        help="cuBLAS and the default tiles with each option (stream-K, TMA) only")
     args = parser.parse_args()
     rows = []
     layers = args.layers.split(",")
@@ -140,7 +144,7 @@ def main() -> None:
             if layer not in layers or (dtype == "fp8" and layer == "lm_head"):
                 continue  # FP8 W8A8 keeps a 16-bit LM head
             for m in (int(v) for v in args.ms.split(",")):
-                case = run_case(n, k, m, dtype, layer, not args.stream_k)
+                case = run_case(n, k, m, dtype, layer, not args.options)
                 rows += case
                 timed = {r["path"]: r for r in case if "us" in r}
                 quantizer = timed.pop("quantizer", None)

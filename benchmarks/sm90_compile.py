@@ -6,7 +6,7 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
     python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
         [--stages 3] [--k-step 128] [--per-channel] [--shared] [--crossing] [--x-tma]
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8]
-        [--shared] [--crossing]
+        [--shared] [--crossing] [--tma]
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
 
 Integer arguments are compiled as a launch specializes them (divisible by 16), except those the
@@ -57,8 +57,13 @@ def gemm_variant(a: argparse.Namespace) -> tuple:
     sig = {"x_ptr": f"*{el}", "xs_ptr": "*fp32", "w_ptr": f"*{el}", "ws_ptr": "*fp32",
            "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     consts = dict(SCALED=a.fp8, HAS_BIAS=False, GATED=False, SHARED=a.shared,
-                  CROSSING=a.crossing, BLOCK_M=a.block_m, BLOCK_N=a.block_n,
+                  CROSSING=a.crossing, TMA=a.tma, BLOCK_M=a.block_m, BLOCK_N=a.block_n,
                   BLOCK_K=a.block_k, USE_PDL=False)
+    if a.tma:
+        sig["x_desc"] = f"tensordesc<{el}[{a.block_m},{a.block_k}]>"
+        sig["w_desc"] = f"tensordesc<{el}[{a.block_n},{a.block_k}]>"
+    else:
+        consts.update(x_desc=None, w_desc=None)
     return gemm._gemm_kernel, sig, consts
 
 
@@ -88,7 +93,7 @@ def main() -> None:
     parser.add_argument("--k-step", type=int, default=128)
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
-    for flag in ("per-channel", "shared", "crossing", "x-tma", "fp8"):
+    for flag in ("per-channel", "shared", "crossing", "x-tma", "tma", "fp8"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
     a = parser.parse_args()

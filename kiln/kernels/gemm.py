@@ -19,8 +19,9 @@ ways (float32 partials summed in a fixed order by the last to arrive) lost at ev
 Llama-3.1-8B shape once the narrow layers took deep pipelines (gemm_sweep.txt): FP8 down_proj
 at M = 16-64 runs 22.8-23.5 us unsplit against 25.8-33 split. GemmTiles.programs instead shares
 all tiles' K steps among that many programs (stream-K, kiln/kernels/k_ranges.py), for layers
-whose tiles leave SMs idle (qkv's 96 64-column tiles on 132 SMs); not yet timed on the GPU, so
-gemm_config does not pick it.
+whose tiles leave SMs idle (qkv's 96 64-column tiles on 132 SMs), and GemmTiles.tma loads x
+and w through TMA descriptors instead of cp.async pointer loads; neither has been timed on the
+GPU yet, so gemm_config picks neither.
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ from typing import NamedTuple
 
 import torch
 
-from kiln.kernels._triton import num_sms, pdl, tl, triton, use_triton, wait_for_inputs
+from kiln.kernels._triton import (
+    TensorDescriptor,
+    num_sms,
+    pdl,
+    tl,
+    triton,
+    use_triton,
+    wait_for_inputs,
+)
 from kiln.kernels.activation import silu_and_mul_ref, silu_mul
 from kiln.kernels.k_ranges import KRanges, arrival_counters, range_start, share_partial, tile_steps
 
@@ -48,6 +57,10 @@ class GemmTiles(NamedTuple):
     # > 0: this many programs share all tiles' K steps evenly (stream-K, k_ranges), so every
     # SM has work however the tiles divide into the SMs; 0: a program a tile, its whole K
     programs: int = 0
+    # x and w tiles through TMA tensor descriptors instead of cp.async pointer loads (not for a
+    # gated weight, whose tiles interleave gate and up rows; compiled for sm_90 the 64-column
+    # K loop takes 93 instructions against 148, and 58 registers against 90)
+    tma: bool = False
 
 
 @triton.jit
@@ -74,11 +87,11 @@ def _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_ma
 
 
 @triton.jit
-def _gemm_tile(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, tile, begin,
-               end, program, programs, M, N, steps, m_tiles, iters, stride_xm, stride_wn,
-               stride_ym, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-               SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):  # fmt: skip
+def _gemm_tile(x_ptr, x_desc, xs_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, part_ptr,
+               count_ptr, tile, begin, end, program, programs, M, N, steps, m_tiles, iters,
+               stride_xm, stride_wn, stride_ym, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
+               GATED: tl.constexpr, SHARED: tl.constexpr, TMA: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """The K steps of ``tile`` (row tile tile % m_tiles, column tile tile // m_tiles) within a
     program's range [begin, end): stored through the epilogue if they are all of them, else
     shared (k_ranges.share_partial)."""
@@ -97,8 +110,12 @@ def _gemm_tile(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, count_pt
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(step_begin * BLOCK_K, step_end * BLOCK_K, BLOCK_K):
-        x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
+        if TMA:  # (rows past M or N read as zeros)
+            x = x_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([pid_n * BLOCK_N, k0])
+        else:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
     store = step_end - step_begin == steps
     if SHARED and not store:
@@ -111,10 +128,11 @@ def _gemm_tile(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, count_pt
 
 @triton.jit(do_not_specialize=["M", "m_tiles", "iters"])  # the batch size: no variant a shape
 def _gemm_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, steps, m_tiles,
-    iters, stride_xm, stride_wn, stride_ym, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr, SHARED: tl.constexpr, CROSSING: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, x_desc, xs_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N,
+    steps, m_tiles, iters, stride_xm, stride_wn, stride_ym, SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SHARED: tl.constexpr, CROSSING: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One range of the output tiles' K steps a program (kiln/kernels/k_ranges.py), CROSSING
     where some range takes more than one tile. N: weight rows; K = steps x BLOCK_K. Row tiles
@@ -129,15 +147,15 @@ def _gemm_kernel(
     wait_for_inputs(USE_PDL)
     if CROSSING:
         for tile in range(begin // steps, (end - 1) // steps + 1):
-            _gemm_tile(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, tile,
-                       begin, end, program, programs, M, N, steps, m_tiles, iters, stride_xm,
-                       stride_wn, stride_ym, SCALED, HAS_BIAS, GATED, SHARED, BLOCK_M, BLOCK_N,
-                       BLOCK_K)  # fmt: skip
+            _gemm_tile(x_ptr, x_desc, xs_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, part_ptr,
+                       count_ptr, tile, begin, end, program, programs, M, N, steps, m_tiles,
+                       iters, stride_xm, stride_wn, stride_ym, SCALED, HAS_BIAS, GATED, SHARED,
+                       TMA, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     else:
-        _gemm_tile(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
-                   begin // steps, begin, end, program, programs, M, N, steps, m_tiles, iters,
-                   stride_xm, stride_wn, stride_ym, SCALED, HAS_BIAS, GATED, SHARED, BLOCK_M,
-                   BLOCK_N, BLOCK_K)  # fmt: skip
+        _gemm_tile(x_ptr, x_desc, xs_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, part_ptr,
+                   count_ptr, begin // steps, begin, end, program, programs, M, N, steps,
+                   m_tiles, iters, stride_xm, stride_wn, stride_ym, SCALED, HAS_BIAS, GATED,
+                   SHARED, TMA, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 def gemm_config(m: int, n: int, k: int, element_bytes: int, sms: int) -> GemmTiles:
@@ -204,12 +222,16 @@ def gemm_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     parts = (torch.empty(ranges.slots * cfg.block_m * cfg.block_n, device=x.device,
                          dtype=torch.float32) if ranges.shared else y)
     counters = arrival_counters(x.device) if ranges.shared else y
+    # TMA wants 16-byte aligned bases (the rows are: K is a multiple of 128)
+    tma = cfg.tma and not gated and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]) if tma else None
+    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]) if tma else None
     _gemm_kernel[(ranges.programs,)](
-        x, x_scales if scaled else y, w, w_scales if scaled else y,
+        x, x_desc, x_scales if scaled else y, w, w_desc, w_scales if scaled else y,
         bias if bias is not None else y, y, parts, counters, m, n, steps, m_tiles,
         ranges.iters, x.stride(0), w.stride(0), y.stride(0), SCALED=scaled,
         HAS_BIAS=bias is not None, GATED=gated, SHARED=ranges.shared, CROSSING=ranges.crossing,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
     return y

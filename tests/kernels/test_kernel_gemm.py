@@ -83,6 +83,29 @@ def test_stream_k_gemm_matches_reference(fp8, gated, programs):
     assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
+@needs_triton
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("programs", [0, 5])
+def test_tma_gemm_matches_reference(fp8, programs):
+    """x and w tiles through TMA descriptors (ragged rows and columns read as zeros), alone and
+    in stream-K ranges; a gated weight, whose tiles interleave gate and up rows, and an x not
+    16-byte aligned take the pointer loads, with the same bits."""
+    args = _float32_out_operands(20, 96, fp8, seed=11)
+    config = GemmTiles(16, 32, 32, 4, 2, programs=programs, tma=True)
+    torch.testing.assert_close(gemm_triton(*args, config=config), gemm_ref(*args), rtol=1e-5,
+                               atol=1e-4)  # fmt: skip
+    plain = config._replace(tma=False)
+    assert torch.equal(gemm_triton(*args, gated=True, config=config),
+                       gemm_triton(*args, gated=True, config=plain))
+    x = args[0]
+    unaligned = torch.empty(x.numel() + 16, dtype=x.dtype)[1:x.numel() + 1].view(x.shape)
+    unaligned.copy_(x)
+    assert unaligned.data_ptr() % 16
+    scales = args[4:] if fp8 else ()
+    assert torch.equal(gemm_triton(unaligned, *args[1:4], *scales, config=config),
+                       gemm_triton(*args, config=plain))
+
+
 def test_config_narrow_layers_take_narrow_deep_tiles():
     for n, block_n in [(4096, 32), (6144, 64), (14336, 64), (28672, 64)]:
         for k in (4096, 14336, 128 * 37):
@@ -124,7 +147,9 @@ def test_gpu_w8a8_through_the_triton_gemm(m):
     (False, GemmTiles(64, 64, 128, 4, 4)), (False, GemmTiles(64, 32, 128, 4, 7)),
     (True, GemmTiles(64, 64, 256, 4, 3)), (True, GemmTiles(64, 32, 256, 4, 6)),
     (False, GemmTiles(64, 64, 128, 4, 4, programs=132)),  # stream-K: programs run at once
-    (True, GemmTiles(64, 32, 256, 4, 6, programs=132))])
+    (True, GemmTiles(64, 32, 256, 4, 6, programs=132)),
+    (False, GemmTiles(64, 64, 128, 4, 4, tma=True)), (True, GemmTiles(64, 32, 256, 4, 6, tma=True)),
+    (False, GemmTiles(64, 64, 128, 4, 4, programs=132, tma=True))])
 def test_gpu_gemm_tiles(fp8, m, config):
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(4096, 4096, generator=gen) / 64
