@@ -2,15 +2,13 @@
 where the engine leaves the GEMMs to cuBLAS: --ms 128,256,512 --dtypes bf16 shows by how much).
 
     PYTHONPATH=. python3 benchmarks/gemm_sweep.py --out $OUT/gemm.json [--ms 16,32,64,128]
-        [--dtypes bf16,fp8] [--layers qkv,o_proj] [--options]
+        [--dtypes bf16,fp8]
 
 For each Llama-3.1-8B GEMM shape (gate_up also gated: silu(gate) * up, and the LM head with
 float32 logits), M and operand type: cuBLAS (torch.mm for bf16, torch._scaled_mm for FP8
-W8A8; + silu_and_mul where gated), the Triton kernel with its default tiles (gemm_config), the
-same in stream-K ranges ("default p<programs>") and with TMA loads (" tma"; not for the gated
-weight, which keeps pointer loads), and alternative tiles (--options: none), each checked against
-float64 math and timed in a CUDA graph over rotating weight copies (the timer of
-benchmarks/gpu_quant.py). FP8 paths take activation codes
+W8A8; + silu_and_mul where gated), the Triton kernel with its default tiles (gemm_config), and
+alternative tiles, each checked against float64 math and timed in a CUDA graph over
+rotating weight copies (the timer of benchmarks/gpu_quant.py). FP8 paths take activation codes
 quantized beforehand, as the engine's RMSNorm hands them to qkv and gate_up; the standalone
 quantizer that o_proj and down_proj add is timed on its own row. Prints one line per case and
 writes every row to JSON.
@@ -30,9 +28,8 @@ from kiln.kernels.activation import silu_and_mul, silu_and_mul_ref
 from kiln.kernels.gemm import GemmTiles, gemm_config, gemm_triton
 from kiln.quant import w8a8
 
-# (block_m, block_n, block_k, num_warps, num_stages) per operand width; K splits of each tile
-# were swept until they lost at every shape (gemm_sweep.txt); stream-K ranges of the default
-# tiles over one and two programs an SM are timed too
+# (block_m, block_n, block_k, num_warps, num_stages) per operand width; K splits were swept
+# until they lost at every shape (gemm_sweep.txt) and left the kernel
 ALTERNATIVES = {
     "fp8": [(64, 32, 128, 8, 6), (64, 64, 256, 4, 3), (64, 128, 128, 4, 4), (64, 128, 256, 8, 3),
             (64, 32, 256, 4, 4), (64, 32, 256, 4, 6), (64, 32, 256, 8, 6), (64, 16, 256, 4, 6),
@@ -57,10 +54,9 @@ SHAPES = [(6144, 4096, "qkv"), (4096, 4096, "o_proj"), (28672, 4096, "gate_up"),
           (4096, 14336, "down_proj"), (28672, 4096, "gate_up gated"), (128256, 4096, "lm_head")]
 
 
-def run_case(n: int, k: int, m: int, dtype: str, layer: str, alternatives: bool) -> list[dict]:
+def run_case(n: int, k: int, m: int, dtype: str, layer: str) -> list[dict]:
     """gated: silu(gate) * up in the epilogue against cuBLAS + silu_and_mul; lm_head: float32
-    logits; both only with the default tiles and their options, as every layer without
-    ``alternatives``."""
+    logits; both only with the default tiles."""
     gated = layer.endswith("gated")
     out_dtype = torch.float32 if layer == "lm_head" else None
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
@@ -98,13 +94,9 @@ def run_case(n: int, k: int, m: int, dtype: str, layer: str, alternatives: bool)
     configs = {"default": default} | {
         str(c): GemmTiles(*c) for c in ALTERNATIVES.get(f"{dtype}_large" if m > 64 else dtype,
                                                           ALTERNATIVES[dtype])
-        if alternatives and layer in ("qkv", "o_proj", "gate_up", "down_proj")
+        if layer in ("qkv", "o_proj",
+                                                                          "gate_up", "down_proj")
         and k % c[2] == 0 and (c[0] >= min(m, 64) or c[0] == 16)}
-    sms = num_sms(x.device)  # the default tiles in stream-K ranges (kiln/kernels/k_ranges.py)
-    configs |= {f"default p{p}": default._replace(programs=p) for p in (sms, 2 * sms)}
-    if not gated:  # and with TMA loads
-        configs |= {f"{label} tma": configs[label]._replace(tma=True)
-                    for label in ("default", f"default p{sms}", f"default p{2 * sms}")}
     paths = {"cublas": cublas} | {label: triton_path(cfg) for label, cfg in configs.items()}
     rows = []
     wbytes = sum(t.numel() * t.element_size() for t in weights)
@@ -132,8 +124,6 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bf16,fp8")
     parser.add_argument("--layers", default=",".join(layer for _, _, layer in SHAPES),
                         help="comma-separated layer names of SHAPES")
-    parser.add_argument("--options", action="store_true",
-                        help="cuBLAS and the default tiles with each option (stream-K, TMA) only")
     args = parser.parse_args()
     rows = []
     layers = args.layers.split(",")
@@ -144,7 +134,7 @@ def main() -> None:
             if layer not in layers or (dtype == "fp8" and layer == "lm_head"):
                 continue  # FP8 W8A8 keeps a 16-bit LM head
             for m in (int(v) for v in args.ms.split(",")):
-                case = run_case(n, k, m, dtype, layer, not args.options)
+                case = run_case(n, k, m, dtype, layer)
                 rows += case
                 timed = {r["path"]: r for r in case if "us" in r}
                 quantizer = timed.pop("quantizer", None)

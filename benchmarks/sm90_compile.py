@@ -4,13 +4,13 @@ loop holding the wgmmas): its instruction count and the loads in it. For checkin
 change before a GPU run, not for speed: a shorter loop or fewer registers is a hint, no more.
 
     python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
-        [--stages 3] [--k-step 128] [--per-channel] [--shared] [--crossing] [--x-tma]
+        [--stages 3] [--k-step 128] [--per-channel] [--split 2]
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8]
-        [--shared] [--crossing] [--tma]
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
 
 Integer arguments are compiled as a launch specializes them (divisible by 16), except those the
-kernel keeps unspecialized (M, tile counts). Triton's ptxas and nvdisasm do the work: whichever
+kernel keeps unspecialized (the GEMM's M; wint_mma's M, as a batch size that is not a multiple
+of 16). Triton's ptxas and nvdisasm do the work: whichever
 triton is first on the path is used (put the device's version first to see what it compiles).
 """
 
@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kiln.kernels import gemm, wint_mma  # noqa: E402
 
-UNSPECIALIZED = {"M", "x_tiles", "m_tiles", "iters"}
+UNSPECIALIZED = {"M"}
 
 
 def wint_mma_variant(a: argparse.Namespace) -> tuple:
@@ -42,12 +42,8 @@ def wint_mma_variant(a: argparse.Namespace) -> tuple:
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "smooth_ptr": "*bf16",
            "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     consts = dict(BITS=a.bits, STEP_W=a.k_step * a.bits // 32, GROUPED=not a.per_channel,
-                  HAS_SMOOTH=False, SHARED=a.shared, CROSSING=a.crossing, X_TMA=a.x_tma,
-                  ASM=True, BLOCK_N=a.block_n, BLOCK_M=a.block_m, USE_PDL=False)
-    if a.x_tma:
-        sig["x_desc"] = f"tensordesc<bf16[{a.block_m},{a.k_step}]>"
-    else:
-        consts["x_desc"] = None
+                  HAS_SMOOTH=False, SPLIT=a.split, ASM=True, BLOCK_N=a.block_n,
+                  BLOCK_M=a.block_m, USE_PDL=False)
     return wint_mma._wint_mma_kernel, sig, consts
 
 
@@ -55,15 +51,9 @@ def gemm_variant(a: argparse.Namespace) -> tuple:
     """_gemm_kernel's signature and constants (bf16 operands, or e4m3 with --fp8)."""
     el = "fp8e4nv" if a.fp8 else "bf16"
     sig = {"x_ptr": f"*{el}", "xs_ptr": "*fp32", "w_ptr": f"*{el}", "ws_ptr": "*fp32",
-           "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-    consts = dict(SCALED=a.fp8, HAS_BIAS=False, GATED=False, SHARED=a.shared,
-                  CROSSING=a.crossing, TMA=a.tma, BLOCK_M=a.block_m, BLOCK_N=a.block_n,
-                  BLOCK_K=a.block_k, USE_PDL=False)
-    if a.tma:
-        sig["x_desc"] = f"tensordesc<{el}[{a.block_m},{a.block_k}]>"
-        sig["w_desc"] = f"tensordesc<{el}[{a.block_n},{a.block_k}]>"
-    else:
-        consts.update(x_desc=None, w_desc=None)
+           "bias_ptr": "*bf16", "y_ptr": "*bf16"}
+    consts = dict(SCALED=a.fp8, HAS_BIAS=False, GATED=False, BLOCK_M=a.block_m,
+                  BLOCK_N=a.block_n, BLOCK_K=a.block_k, USE_PDL=False)
     return gemm._gemm_kernel, sig, consts
 
 
@@ -93,7 +83,8 @@ def main() -> None:
     parser.add_argument("--k-step", type=int, default=128)
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
-    for flag in ("per-channel", "shared", "crossing", "x-tma", "tma", "fp8"):
+    parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
+    for flag in ("per-channel", "fp8"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
     a = parser.parse_args()

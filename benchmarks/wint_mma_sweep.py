@@ -2,7 +2,7 @@
 the Llama-3.1-8B layer shapes, next to bf16 cuBLAS; JSON out, one line a (layer, bits, M).
 
     PYTHONPATH=. python3 benchmarks/wint_mma_sweep.py --out F [--ms 16,32,64,128,256,512,1024]
-        [--default-only | --options]
+        [--default-only]
 
 Whichever kiln is first on the path is swept, so two trees compare on one machine (an older
 tree's kiln first on PYTHONPATH, with --default-only: its wint_mma_tiles picks). Weights are
@@ -12,10 +12,7 @@ quant_gemm.wint_dequant_ref (relative error < 1e-2) before it is timed, the same
 benchmarks/gpu_quant.py (a graph of the op on rotating weight copies, so the weights come from
 HBM, not the 50 MB L2). Candidates: 64 or 128 rows of W against x tiles of the next power of
 two >= M rows (at most MMA_X_TILE_MAX) or half that, 4 or 8 warps, 3 or 4 stages; each at the
-split _split picks ("*" in its key), half and twice it, in stream-K ranges over one and two
-programs an SM ("p<programs>" in its key), and each of those with x through TMA ("x" appended;
---options: only the default tiles with those options, next to the default). Each row also
-times what the library
+split _split picks ("*" in its key), half and twice it. Each row also times what the library
 runs at that M (quant_gemm.wint_linear_triton: dequantize + cuBLAS past MMA_MAX_M) and
 dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against.
 """
@@ -26,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 
 import torch
 
@@ -66,7 +62,7 @@ def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
 
 
 def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generator,
-              dense: torch.Tensor, default_only: bool, options_only: bool) -> dict:
+              dense: torch.Tensor, default_only: bool) -> dict:
     words, scales = make_weight(n, k, bits, group, gen)
     g = group or k
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -99,20 +95,14 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
     if default_only:
         return row
     k_step = g if g < k else wm._per_channel_step(k)
-    default = wm.wint_mma_tiles(m, n, k, g, bits, x.device)
-    sms = wm.num_sms(x.device)
-    for t in [default] if options_only else candidates(m, bits, k_step):
-        name = f"{t.block_n}x{t.block_m}w{t.num_warps}s{t.num_stages}"
+    for t in candidates(m, bits, k_step):
         out_tiles = -(-m // t.block_m) * -(-n // t.block_n)
         rule = wm._split(t, out_tiles, k // k_step, x.device)
-        splits = [rule] if options_only else sorted({max(1, rule // 2), rule, rule * 2})
-        runs = {f"k{split}{'*' if split == rule else ''}": replace(t, split=split)
-                for split in splits}
-        runs |= {f"p{p}": replace(t, split=0, programs=p) for p in (sms, 2 * sms)}
-        for key, tiles in runs.items():
-            if not (options_only and key.startswith("k")):  # (the default's row is there)
-                row[name + key] = timed(tiles)
-            row[name + key + "x"] = timed(replace(tiles, x_tma=True))
+        for split in sorted({max(1, rule // 2), rule, rule * 2}):
+            key = (f"{t.block_n}x{t.block_m}w{t.num_warps}s{t.num_stages}k{split}"
+                   f"{'*' if split == rule else ''}")
+            row[key] = timed(MmaTiles(t.block_n, split, t.block_m, t.num_warps, t.num_stages,
+                                      t.k_step))
     return row
 
 
@@ -120,11 +110,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--ms", default="16,32,64,128,256,512,1024")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--default-only", action="store_true",
-                      help="time wint_mma_tiles' picks only (and bf16)")
-    mode.add_argument("--options", action="store_true",
-                      help="the default tiles with stream-K ranges and x through TMA only")
+    parser.add_argument("--default-only", action="store_true",
+                        help="time wint_mma_tiles' picks only (and bf16)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -133,7 +120,7 @@ def main() -> None:
         for bits, group in FORMATS:
             for m in (int(v) for v in args.ms.split(",")):
                 row = dict(shape=name, **sweep_one(n, k, bits, group, m, gen, dense,
-                                                   args.default_only, args.options))
+                                                   args.default_only))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 with open(args.out, "w") as f:  # after every row: a cut-short run keeps its data

@@ -14,14 +14,10 @@ read it from HBM once.
 - gated: a merged [gate; up] projection gives silu(gate) * up straight from the epilogue; each
   tile interleaves gate and up rows, so one dot serves both.
 
-By default each program streams the whole K of its tile. Splitting every tile's K two or four
-ways (float32 partials summed in a fixed order by the last to arrive) lost at every
-Llama-3.1-8B shape once the narrow layers took deep pipelines (gemm_sweep.txt): FP8 down_proj
-at M = 16-64 runs 22.8-23.5 us unsplit against 25.8-33 split. GemmTiles.programs instead shares
-all tiles' K steps among that many programs (stream-K, kiln/kernels/k_ranges.py), for layers
-whose tiles leave SMs idle (qkv's 96 64-column tiles on 132 SMs), and GemmTiles.tma loads x
-and w through TMA descriptors instead of cp.async pointer loads; neither has been timed on the
-GPU yet, so gemm_config picks neither.
+Each program streams the whole K of its tile. Splitting K over programs (float32 partials summed
+in a fixed order by the last to arrive) lost at every Llama-3.1-8B shape once the narrow layers
+took deep pipelines (gemm_sweep.txt): FP8 down_proj at M = 16-64 runs 22.8-23.5 us unsplit
+against 25.8-33 split two or four ways.
 """
 
 from __future__ import annotations
@@ -30,17 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from kiln.kernels._triton import (
-    TensorDescriptor,
-    num_sms,
-    pdl,
-    tl,
-    triton,
-    use_triton,
-    wait_for_inputs,
-)
+from kiln.kernels._triton import num_sms, pdl, tl, triton, use_triton, wait_for_inputs
 from kiln.kernels.activation import silu_and_mul_ref, silu_mul
-from kiln.kernels.k_ranges import KRanges, arrival_counters, range_start, share_partial, tile_steps
 
 # 16-bit rows up to which gemm_triton replaces cuBLAS for dense weights: at M = 16-64 it matches
 # or beats cuBLAS on every Llama-3.1-8B layer (gemm_sweep.txt) and keeps the step PDL-chained;
@@ -54,13 +41,6 @@ class GemmTiles(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    # > 0: this many programs share all tiles' K steps evenly (stream-K, k_ranges), so every
-    # SM has work however the tiles divide into the SMs; 0: a program a tile, its whole K
-    programs: int = 0
-    # x and w tiles through TMA tensor descriptors instead of cp.async pointer loads (not for a
-    # gated weight, whose tiles interleave gate and up rows; compiled for sm_90 the 64-column
-    # K loop takes 93 instructions against 148, and 58 registers against 90)
-    tma: bool = False
 
 
 @triton.jit
@@ -86,18 +66,20 @@ def _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_ma
     tl.store(y_ptrs, y.to(dt), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _gemm_tile(x_ptr, x_desc, xs_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, part_ptr,
-               count_ptr, tile, begin, end, program, programs, M, N, steps, m_tiles, iters,
-               stride_xm, stride_wn, stride_ym, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-               GATED: tl.constexpr, SHARED: tl.constexpr, TMA: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """The K steps of ``tile`` (row tile tile % m_tiles, column tile tile // m_tiles) within a
-    program's range [begin, end): stored through the epilogue if they are all of them, else
-    shared (k_ranges.share_partial)."""
-    step_begin, step_end = tile_steps(tile, begin, end, steps)
-    pid_n = tile // m_tiles
-    pid_m = tile - pid_n * m_tiles
+@triton.jit(do_not_specialize=["M"])  # the batch size: no new variant per step shape
+def _gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """N: weight rows; K a multiple of BLOCK_K (checked by the launcher). Row tiles are the
+    fastest grid axis, so the programs that share a weight tile run together and read it from
+    HBM once.
+
+    Nothing is loaded before the wait: taking the first weight tile before it (peeled out of
+    the loop, as the weight-only GEMV does) cost 1-3% end to end on the H100 (ab_runs.txt 24)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tile columns
     # GATED: tile column 2 i is gate row pid_n BLOCK_N / 2 + i, column 2 i + 1 the up row N / 2
@@ -108,54 +90,16 @@ def _gemm_tile(x_ptr, x_desc, xs_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, pa
     n_mask = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(step_begin * BLOCK_K, step_end * BLOCK_K, BLOCK_K):
-        if TMA:  # (rows past M or N read as zeros)
-            x = x_desc.load([pid_m * BLOCK_M, k0])
-            w = w_desc.load([pid_n * BLOCK_N, k0])
-        else:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    store = step_end - step_begin == steps
-    if SHARED and not store:
-        acc, store = share_partial(acc, tile, program, programs, iters, steps, part_ptr,
-                                   count_ptr, BLOCK_M, BLOCK_N)  # fmt: skip
-    if not SHARED or store:  # (not SHARED: every tile whole)
-        _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_mask, n_mask,
-                    pid_n, N, stride_ym, SCALED, HAS_BIAS, GATED, BLOCK_M, BLOCK_N)
-
-
-@triton.jit(do_not_specialize=["M", "m_tiles", "iters"])  # the batch size: no variant a shape
-def _gemm_kernel(
-    x_ptr, x_desc, xs_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N,
-    steps, m_tiles, iters, stride_xm, stride_wn, stride_ym, SCALED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SHARED: tl.constexpr, CROSSING: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """One range of the output tiles' K steps a program (kiln/kernels/k_ranges.py), CROSSING
-    where some range takes more than one tile. N: weight rows; K = steps x BLOCK_K. Row tiles
-    are the fastest, so the programs that share a weight tile run together and read it from
-    HBM once.
-
-    Nothing is loaded before the wait: taking the first weight tile before it (peeled out of
-    the loop, as the weight-only GEMV does) cost 1-3% end to end on the H100 (ab_runs.txt 24)."""
-    program, programs = tl.program_id(0), tl.num_programs(0)
-    begin = range_start(program, programs, iters)
-    end = range_start(program + 1, programs, iters)
     wait_for_inputs(USE_PDL)
-    if CROSSING:
-        for tile in range(begin // steps, (end - 1) // steps + 1):
-            _gemm_tile(x_ptr, x_desc, xs_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, part_ptr,
-                       count_ptr, tile, begin, end, program, programs, M, N, steps, m_tiles,
-                       iters, stride_xm, stride_wn, stride_ym, SCALED, HAS_BIAS, GATED, SHARED,
-                       TMA, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-    else:
-        _gemm_tile(x_ptr, x_desc, xs_ptr, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, part_ptr,
-                   count_ptr, begin // steps, begin, end, program, programs, M, N, steps,
-                   m_tiles, iters, stride_xm, stride_wn, stride_ym, SCALED, HAS_BIAS, GATED,
-                   SHARED, TMA, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_mask, n_mask,
+                pid_n, N, stride_ym, SCALED, HAS_BIAS, GATED, BLOCK_M, BLOCK_N)
 
 
 def gemm_config(m: int, n: int, k: int, element_bytes: int, sms: int) -> GemmTiles:
@@ -216,22 +160,12 @@ def gemm_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(m, n // 2 if gated else n, dtype=out_dtype, device=x.device)
     if m == 0:
         return y
-    m_tiles, steps = triton.cdiv(m, cfg.block_m), k // cfg.block_k
-    tiles = m_tiles * triton.cdiv(n, cfg.block_n)
-    ranges = KRanges(tiles, steps, min(cfg.programs, tiles * steps) if cfg.programs else tiles)
-    parts = (torch.empty(ranges.slots * cfg.block_m * cfg.block_n, device=x.device,
-                         dtype=torch.float32) if ranges.shared else y)
-    counters = arrival_counters(x.device) if ranges.shared else y
-    # TMA wants 16-byte aligned bases (the rows are: K is a multiple of 128)
-    tma = cfg.tma and not gated and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]) if tma else None
-    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]) if tma else None
-    _gemm_kernel[(ranges.programs,)](
-        x, x_desc, x_scales if scaled else y, w, w_desc, w_scales if scaled else y,
-        bias if bias is not None else y, y, parts, counters, m, n, steps, m_tiles,
-        ranges.iters, x.stride(0), w.stride(0), y.stride(0), SCALED=scaled,
-        HAS_BIAS=bias is not None, GATED=gated, SHARED=ranges.shared, CROSSING=ranges.crossing,
-        TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _gemm_kernel[grid](
+        x, x_scales if scaled else y, w, w_scales if scaled else y,
+        bias if bias is not None else y, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        SCALED=scaled, HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
     return y

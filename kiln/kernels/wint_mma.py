@@ -23,14 +23,13 @@ Per-channel scales multiply the accumulator once at the end. (Decoding codes i a
 and permuting x's columns to match, as this kernel did before, put x through registers and kept
 every dot synchronous: results/h100/wint_mma_natural.txt.)
 
-Each program takes one even range of K steps of the output tiles' steps laid end to end
-(kiln/kernels/k_ranges.py). By default a range is 1/split of one tile's K (split-K), so that
-every SM has work when N alone gives too few tiles; with MmaTiles.programs the steps are cut
-into that many ranges, which may end inside one tile and go on in the next (stream-K: one
-program an SM whatever the tile count divides into). A tile's steps taken by several programs
-go through float32 partials, added in program order by the last of them to finish (the same
-bits whatever the arrival order). MmaTiles.x_tma loads x tiles through a TMA descriptor instead
-of cp.async pointer loads. Neither option has been timed on a GPU yet, so no default picks them.
+K is split over ``split`` programs per tile of rows, so that every SM has work when N alone
+gives too few tiles; the last program of a tile to finish adds the float32 partials in split
+order (the same bits whatever the arrival order) and writes the output, then resets the tile's
+arrival counter for the next launch. The counters are one zeroed int32 buffer per device,
+allocated on first use (which must not be inside a CUDA graph capture: run once eagerly). Two
+launches must not overlap in time on different streams of one device (with PDL, one stream's
+next kernel touches the counters only after its wait, when this kernel has finished).
 
 H100, Llama-3.1-8B shapes, bf16, qkv + o + gate_up + down, each GEMM alone in a graph over
 rotating weight copies (results/h100/wint_mma_natural.txt): int4 g128 at M = 16 / 64 / 128 /
@@ -49,14 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.kernels._triton import TensorDescriptor, num_sms, pdl, tl, triton, wait_for_inputs
-from kiln.kernels.k_ranges import (
-    KRanges,
-    arrival_counters,
-    range_start,
-    share_partial,
-    tile_steps,
-)
+from kiln.kernels._triton import num_sms, pdl, tl, triton, wait_for_inputs
 
 MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
 # above (per code width): dequantize + cuBLAS, faster over a Llama-3.1-8B layer from 2048 rows
@@ -69,6 +61,7 @@ MMA_X_TILE_MAX = 256  # rows of x a program takes at most; more rows: more x til
 MMA_W8_SMALL_MAX_M = 32
 MMA_W8_SMALL_MAX_CODES = 1 << 25
 MIN_STEPS_PER_SPLIT = 8  # K steps a program keeps when K is split (fewer: no further split)
+_COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
 
 # per asm instance: a word in $1 ($2 is the same register), a second word in $3 ($4), the prmt
@@ -96,23 +89,12 @@ _DECODE8_F16 = tl.constexpr(
 
 @dataclass(frozen=True)
 class MmaTiles:
-    block_n: int  # rows of W per output tile (the dot's M: 64 or 128)
+    block_n: int  # rows of W per program (the dot's M: 64 or 128)
     split: int  # programs sharing a tile's K; 0: as many as _split picks
-    block_m: int  # rows of x an output tile takes (a power of two >= 16; more rows: more tiles)
+    block_m: int  # rows of x a program takes (a power of two >= 16; more rows: more x tiles)
     num_warps: int = 4
     num_stages: int = 3
     k_step: int = 128  # codes of K per step with per-channel scales (group-wise: the group)
-    # > 0 (with split 0): this many programs share all tiles' K steps evenly (stream-K: a
-    # program's range may end inside one tile and go on in the next), so every SM has work
-    # however the tiles divide into the SMs
-    programs: int = 0
-    # x tiles through a TMA tensor descriptor instead of cp.async pointer loads (compiled for
-    # sm_90: 208 registers against 246 and an 18% shorter K loop at 128 x 256 int4 tiles)
-    x_tma: bool = False
-
-    def __post_init__(self) -> None:
-        if self.split and self.programs:
-            raise ValueError(f"{self}: a K split or a program count, not both")
 
 
 @triton.jit
@@ -148,19 +130,22 @@ def _code_pairs(words, BITS: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr,
 
 
 @triton.jit
-def _tile_product(x_ptr, x_desc, w_ptr, s_ptr, smooth_ptr, M, N, step_begin, step_end, pid_n,
-                  pid_m, stride_xm, stride_wn, stride_sn,
-                  BITS: tl.constexpr, STEP_W: tl.constexpr, GROUPED: tl.constexpr,
-                  HAS_SMOOTH: tl.constexpr, X_TMA: tl.constexpr, ASM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """out^T [BLOCK_N, BLOCK_M] of one (row tile, x tile) over K steps [step_begin, step_end),
-    STEP_W words a row a step: acc += W_codes [BLOCK_N, BK] @ x^T [BK, BLOCK_M], times the
-    step's scale group if GROUPED, else the row's scale at the end. X_TMA: x tiles through
-    x_desc (rows past M read as zeros), else pointer loads."""
+def _wint_mma_kernel(
+    x_ptr, w_ptr, s_ptr, smooth_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, KW, kw_per_split, stride_xm, stride_wn, stride_sn, stride_om,
+    BITS: tl.constexpr, STEP_W: tl.constexpr, GROUPED: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """out^T [BLOCK_N, BLOCK_M] of one (row tile, x tile) over 1/SPLIT of K, STEP_W words a row
+    per step: acc += W_codes [BLOCK_N, BK] @ x^T [BK, BLOCK_M], times the step's scale group if
+    GROUPED, else the row's scale at the end. x tiles are the fastest grid axis, so the programs
+    that share a weight tile run together and read it from HBM once."""
     CPW: tl.constexpr = 32 // BITS  # codes per word
     H: tl.constexpr = CPW // 2
     BK: tl.constexpr = STEP_W * CPW
     dt = x_ptr.dtype.element_ty
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # clamped, not masked: unpredicated loads
     offs_w = tl.arange(0, STEP_W)
@@ -169,14 +154,13 @@ def _tile_product(x_ptr, x_desc, w_ptr, s_ptr, smooth_ptr, M, N, step_begin, ste
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     xt_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for kw0 in range(step_begin * STEP_W, step_end * STEP_W, STEP_W):
+    kw_begin = pid_k * kw_per_split
+    wait_for_inputs(USE_PDL)
+    for kw0 in range(kw_begin, tl.minimum(kw_begin + kw_per_split, KW), STEP_W):
         words = tl.load(w_rows + (kw0 + offs_w)[None, :])  # [BLOCK_N, STEP_W]
         w = tl.reshape(_code_pairs(words[:, :, None], BITS, H, ASM, dt), [BLOCK_N, BK])
         k = kw0 * CPW + tl.arange(0, BK)
-        if X_TMA:  # (the dot reads the transposed tile from shared memory as it is)
-            xt = tl.trans(x_desc.load([pid_m * BLOCK_M, kw0 * CPW]))  # [BK, BLOCK_M]
-        else:
-            xt = tl.load(xt_cols + k[:, None], mask=m_mask[None, :], other=0.0)
+        xt = tl.load(xt_cols + k[:, None], mask=m_mask[None, :], other=0.0)  # [BK, BLOCK_M]
         if HAS_SMOOTH:  # AWQ: x * smooth, rounded to x's dtype as in the reference
             xt = (xt.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[:, None]).to(dt)
         if not GROUPED:
@@ -189,63 +173,39 @@ def _tile_product(x_ptr, x_desc, w_ptr, s_ptr, smooth_ptr, M, N, step_begin, ste
             acc = tl.dot(w * s[:, None], xt, acc)  # place and runs on while the next step decodes
     if not GROUPED:
         acc = acc * tl.load(s_ptr + rows * stride_sn).to(tl.float32)[:, None]
-    return acc
-
-
-@triton.jit
-def _tile_share(x_ptr, x_desc, w_ptr, s_ptr, smooth_ptr, out_ptr, part_ptr, count_ptr, tile,
-                begin, end, program, programs, M, N, steps, x_tiles, iters, stride_xm,
-                stride_wn, stride_sn, stride_om, BITS: tl.constexpr, STEP_W: tl.constexpr,
-                GROUPED: tl.constexpr, HAS_SMOOTH: tl.constexpr, SHARED: tl.constexpr,
-                X_TMA: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_M: tl.constexpr):  # fmt: skip
-    """The steps of ``tile`` within a program's range [begin, end), stored if they are all of
-    them, else shared (k_ranges.share_partial)."""
-    step_begin, step_end = tile_steps(tile, begin, end, steps)
-    pid_n = tile // x_tiles
-    pid_m = tile - pid_n * x_tiles
-    acc = _tile_product(x_ptr, x_desc, w_ptr, s_ptr, smooth_ptr, M, N, step_begin, step_end,
-                        pid_n, pid_m, stride_xm, stride_wn, stride_sn, BITS, STEP_W, GROUPED,
-                        HAS_SMOOTH, X_TMA, ASM, BLOCK_N, BLOCK_M)  # fmt: skip
-    store = step_end - step_begin == steps
-    if SHARED and not store:
-        acc, store = share_partial(acc, tile, program, programs, iters, steps, part_ptr,
-                                   count_ptr, BLOCK_N, BLOCK_M)  # fmt: skip
-    if not SHARED or store:  # (not SHARED: every tile whole)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-        out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    out_mask = (offs_n < N)[:, None] & m_mask[None, :]
+    if SPLIT == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit(do_not_specialize=["x_tiles", "iters"])  # (M alone picks the variant)
-def _wint_mma_kernel(
-    x_ptr, x_desc, w_ptr, s_ptr, smooth_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, steps, x_tiles, iters, stride_xm, stride_wn, stride_sn, stride_om,
-    BITS: tl.constexpr, STEP_W: tl.constexpr, GROUPED: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-    SHARED: tl.constexpr, CROSSING: tl.constexpr, X_TMA: tl.constexpr, ASM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """One range of the output tiles' K steps a program (k_ranges; tile t: row tile
-    t // x_tiles, x tile t % x_tiles), CROSSING where some range takes more than one tile. x
-    tiles are the fastest, so the programs that share a weight tile run together and read it
-    from HBM once."""
-    program, programs = tl.program_id(0), tl.num_programs(0)
-    begin = range_start(program, programs, iters)
-    end = range_start(program + 1, programs, iters)
-    wait_for_inputs(USE_PDL)
-    if CROSSING:  # (a loop for one tile costs registers: 147 against 112 at 128 x 64 tiles)
-        for tile in range(begin // steps, (end - 1) // steps + 1):
-            _tile_share(x_ptr, x_desc, w_ptr, s_ptr, smooth_ptr, out_ptr, part_ptr, count_ptr,
-                        tile, begin, end, program, programs, M, N, steps, x_tiles, iters,
-                        stride_xm, stride_wn, stride_sn, stride_om, BITS, STEP_W, GROUPED,
-                        HAS_SMOOTH, SHARED, X_TMA, ASM, BLOCK_N, BLOCK_M)  # fmt: skip
     else:
-        _tile_share(x_ptr, x_desc, w_ptr, s_ptr, smooth_ptr, out_ptr, part_ptr, count_ptr,
-                    begin // steps, begin, end, program, programs, M, N, steps, x_tiles, iters,
-                    stride_xm, stride_wn, stride_sn, stride_om, BITS, STEP_W, GROUPED,
-                    HAS_SMOOTH, SHARED, X_TMA, ASM, BLOCK_N, BLOCK_M)  # fmt: skip
+        tile = pid_n * tl.num_programs(0) + pid_m
+        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tile_parts = part_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_N * BLOCK_M)
+        tl.store(tile_parts + pid_k * (BLOCK_N * BLOCK_M) + local, acc)
+        tl.debug_barrier()  # every thread's partial stored before the arrival is counted
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the last program of the tile: sum the splits in order
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for j in tl.static_range(SPLIT):
+                total += tl.load(tile_parts + j * (BLOCK_N * BLOCK_M) + local,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the tensor-core weight-only GEMM allocates its split-K counters on first use, "
+                "which cannot happen inside a CUDA graph capture: run the model once eagerly "
+                "before capturing")
+        _counters[key] = torch.zeros(_COUNTER_CAPACITY, device=device, dtype=torch.int32)
+    return _counters[key]
 
 
 def _per_channel_step(k: int) -> int | None:
@@ -332,22 +292,21 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     k_step = group if grouped else tiles.k_step
     assert k % k_step == 0 and k_step % cpw == 0
     x_tiles, row_tiles = triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n)
-    out_tiles, steps = x_tiles * row_tiles, k // k_step
-    split = min(steps, tiles.split or _split(tiles, out_tiles, steps, x.device))
-    ranges = KRanges(out_tiles, steps, min(tiles.programs, out_tiles * steps)
-                     if tiles.programs else out_tiles * split)
+    assert x_tiles * row_tiles <= _COUNTER_CAPACITY, \
+        f"{m} x {n}: more output tiles than the split-K counters"
+    step_w = k_step // cpw
+    split = tiles.split or _split(tiles, x_tiles * row_tiles, k // k_step, x.device)
+    steps_per_split = -(-(kw // step_w) // split)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
-    parts = (torch.empty(ranges.slots * tiles.block_n * tiles.block_m, device=x.device,
-                         dtype=torch.float32) if ranges.shared else out)
-    counters = arrival_counters(x.device) if ranges.shared else out
-    x_tma = tiles.x_tma and x.data_ptr() % 16 == 0  # (TMA wants a 16-byte aligned base)
-    x_desc = TensorDescriptor.from_tensor(x, [tiles.block_m, k_step]) if x_tma else None
-    _wint_mma_kernel[(ranges.programs,)](
-        x, x_desc, words, scales, smooth if smooth is not None else scales, out, parts, counters,
-        m, n, steps, x_tiles, ranges.iters, x.stride(0), words.stride(0), scales.stride(0),
-        out.stride(0), BITS=bits, STEP_W=k_step // cpw, GROUPED=grouped,
-        HAS_SMOOTH=smooth is not None, SHARED=ranges.shared, CROSSING=ranges.crossing,
-        X_TMA=x_tma, ASM=x.is_cuda, BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m,
+    parts = (torch.empty(x_tiles * row_tiles * split * tiles.block_n * tiles.block_m,
+                         device=x.device, dtype=torch.float32) if split > 1 else out)
+    counters = _arrival_counters(x.device) if split > 1 else out
+    _wint_mma_kernel[(x_tiles, row_tiles, split)](
+        x, words, scales, smooth if smooth is not None else scales, out, parts, counters,
+        m, n, kw, steps_per_split * step_w, x.stride(0), words.stride(0), scales.stride(0),
+        out.stride(0), BITS=bits, STEP_W=step_w, GROUPED=grouped,
+        HAS_SMOOTH=smooth is not None, SPLIT=split, ASM=x.is_cuda,
+        BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x.device),
     )  # fmt: skip
     return out

@@ -15,7 +15,6 @@ if not torch.cuda.is_available():
     # (leaves first, so that each module re-imports its fresh dependencies).
     for name in (
         "kiln.kernels._triton",
-        "kiln.kernels.k_ranges",
         "kiln.kernels.rms_norm",
         "kiln.kernels.activation",
         "kiln.kernels.argmax",

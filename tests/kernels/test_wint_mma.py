@@ -19,7 +19,6 @@ from test_quant_gemm import make_weight, naive  # noqa: E402
 
 from kiln.kernels import quant_gemm as qg  # noqa: E402
 from kiln.kernels import wint_mma as mma  # noqa: E402
-from kiln.kernels.k_ranges import arrival_counters  # noqa: E402
 
 
 def _check(n, k, bits, group, m, dtype, device, tiles=None, smooth=False, seed=0, tol=3e-3):
@@ -85,7 +84,7 @@ def test_wint_mma_split_sum_is_repeatable_and_counters_reset():
     first, args = _check(130, 512, 4, 64, 6, torch.float16, "cpu", tiles)
     again = mma.wint_mma_gemm(args[0], args[1], args[2], 4, 64, tiles=tiles)
     assert torch.equal(first, again)
-    assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
+    assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 @needs_triton
@@ -95,54 +94,7 @@ def test_wint_mma_tiles_x_rows(bits, group, split):
     each with its own split-K partials and counters; the counters are back at zero after."""
     _check(80, 384, bits, group, 40, torch.float16, "cpu", mma.MmaTiles(64, split, 16),
            seed=split)
-    assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
-
-
-@needs_triton
-@pytest.mark.parametrize("programs", [2, 5, 7, 24])
-@pytest.mark.parametrize("bits, n, k, group, m, block_m", [
-    (4, 130, 512, 64, 6, 16),  # 3 row tiles of 8 steps: ranges of 12, 4.8, 3.4 and 1 steps
-    (8, 130, 96, -1, 5, 16),  # per channel, 32-code steps: 3 a tile
-    (4, 80, 384, 64, 40, 16),  # 2 row tiles x 3 x tiles (the last ragged)
-    (4, 80, 384, 64, 40, 64),  # scales folded into the weights past 32 rows
-])  # fmt: skip
-def test_wint_mma_stream_k(bits, n, k, group, m, block_m, programs):
-    """A fixed program count sharing every tile's K steps: ranges that end inside one tile and
-    go on in the next (two partials a program), whole tiles stored straight; a second launch
-    gives the same bits and leaves the counters at zero."""
-    tiles = mma.MmaTiles(64, 0, block_m, k_step=32, programs=programs)
-    first, args = _check(n, k, bits, group, m, torch.float16, "cpu", tiles, seed=programs)
-    again = mma.wint_mma_gemm(args[0], args[1], args[2], bits, k if group == -1 else group,
-                              tiles=tiles)
-    assert torch.equal(first, again)
-    assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
-
-
-@needs_triton
-@pytest.mark.parametrize("bits, group, m, block_m, smooth", [
-    (4, 64, 6, 16, False), (4, 64, 40, 64, True), (8, -1, 40, 64, False), (8, -1, 5, 16, True),
-])  # fmt: skip
-def test_wint_mma_x_through_tma(bits, group, m, block_m, smooth):
-    """x tiles through a TMA descriptor (rows past M beyond the tensor), split and stream-K;
-    an x whose base is not 16-byte aligned takes the pointer loads instead."""
-    for tiles in (mma.MmaTiles(64, 2, block_m, k_step=32, x_tma=True),
-                  mma.MmaTiles(64, 0, block_m, k_step=32, x_tma=True, programs=5)):
-        _, args = _check(80, 384, bits, group, m, torch.float16, "cpu", tiles, smooth=smooth,
-                         seed=m)
-    g = 384 if group == -1 else group
-    unaligned = torch.empty(m * 384 + 1, dtype=torch.float16)[1:].view(m, 384)
-    unaligned.copy_(args[0])
-    assert unaligned.data_ptr() % 16 != 0
-    assert torch.equal(mma.wint_mma_gemm(unaligned, args[1], args[2], bits, g, args[3],
-                                         tiles=tiles),
-                       mma.wint_mma_gemm(args[0], args[1], args[2], bits, g, args[3],
-                                         tiles=mma.MmaTiles(64, 0, block_m, k_step=32,
-                                                            programs=5)))
-
-
-def test_wint_mma_tiles_take_a_split_or_a_program_count():
-    with pytest.raises(ValueError, match="not both"):
-        mma.MmaTiles(64, 2, 16, programs=8)
+    assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 def _applies(m, bits=4, group=128, k=256, n=64, zeros=None, perm=None, fp8=False,
@@ -250,31 +202,3 @@ def test_gpu_wint_mma_wide_n_tiles(bits, group):
     tiles = mma.wint_mma_tiles(100, 28672, 4096, group, bits, torch.device("cuda"))
     assert tiles.num_warps == 8 and tiles.block_n == 128 and tiles.block_m == 128
     _check(28672, 4096, bits, group, 100, torch.bfloat16, "cuda", tol=2e-2, seed=bits)
-
-
-@gpu
-@pytest.mark.parametrize("m, block_m, warps", [(64, 64, 4), (256, 256, 8)])
-@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
-def test_gpu_wint_mma_stream_k_runs_concurrently(bits, group, m, block_m, warps):
-    """Stream-K with one program an SM at qkv's shape (48-96 row tiles: most ranges end inside
-    a tile and go on in the next, so programs keep two partials while others sum them): the
-    slots must not collide while programs run at once. Ten launches give the same bits."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tiles = mma.MmaTiles(128 if warps == 8 else 64, 0, block_m, num_warps=warps, k_step=128,
-                         programs=sms)
-    first, args = _check(6144, 4096, bits, group, m, torch.bfloat16, "cuda", tiles, tol=2e-2,
-                         seed=m + bits)
-    g = 4096 if group == -1 else group
-    for _ in range(10):
-        assert torch.equal(mma.wint_mma_gemm(args[0], args[1], args[2], bits, g, tiles=tiles),
-                           first)
-    assert int(arrival_counters(torch.device("cuda")).abs().sum()) == 0
-
-
-@gpu
-@pytest.mark.parametrize("m, block_m, warps", [(64, 64, 8), (256, 256, 8), (300, 256, 8)])
-@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
-def test_gpu_wint_mma_x_through_tma(bits, group, m, block_m, warps):
-    """x tiles through TMA at Llama-3.1-8B's qkv shape (300 rows: a ragged second x tile)."""
-    tiles = mma.MmaTiles(128, 0, block_m, num_warps=warps, k_step=128, x_tma=True)
-    _check(6144, 4096, bits, group, m, torch.bfloat16, "cuda", tiles, tol=2e-2, seed=m + bits)
