@@ -8,10 +8,10 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8]
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
 
-Integer arguments are compiled as a launch specializes them (divisible by 16), except those the
-kernel keeps unspecialized (the GEMM's M; wint_mma's M, as a batch size that is not a multiple
-of 16). Triton's ptxas and nvdisasm do the work: whichever
-triton is first on the path is used (put the device's version first to see what it compiles).
+Integer arguments are compiled as a launch specializes them (divisible by 16), except M (the
+GEMM keeps it unspecialized; for wint_mma: a batch size that is not a multiple of 16). Triton's
+ptxas and nvdisasm do the work: whichever triton is first on the path is used (put the device's
+version first to see what it compiles).
 """
 
 from __future__ import annotations
