@@ -88,17 +88,13 @@ def _gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    # rows past M / N clamped, not masked: the tile re-reads the last row, whose outputs the
-    # store drops, and the K loop issues no predicates (results/h100/wint_mma_clamp.txt)
-    x_rows = tl.minimum(offs_m, M - 1)
-    w_rows = tl.minimum(rows, N - 1)
-    x_ptrs = x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     wait_for_inputs(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for _ in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs)
-        w = tl.load(w_ptrs)
+        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

@@ -152,10 +152,7 @@ def _wint_mma_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    # x rows clamped too: past M the tile re-reads row M - 1, whose outputs the store drops. A
-    # mask cost ~44 of the K loop's 359 instructions at 256-row x tiles, where the loop is bound
-    # by issuing them (results/h100/wint_mma_clamp.txt)
-    xt_cols = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[None, :] * stride_xm
+    xt_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     kw_begin = pid_k * kw_per_split
     wait_for_inputs(USE_PDL)
@@ -163,7 +160,7 @@ def _wint_mma_kernel(
         words = tl.load(w_rows + (kw0 + offs_w)[None, :])  # [BLOCK_N, STEP_W]
         w = tl.reshape(_code_pairs(words[:, :, None], BITS, H, ASM, dt), [BLOCK_N, BK])
         k = kw0 * CPW + tl.arange(0, BK)
-        xt = tl.load(xt_cols + k[:, None])  # [BK, BLOCK_M]
+        xt = tl.load(xt_cols + k[:, None], mask=m_mask[None, :], other=0.0)  # [BK, BLOCK_M]
         if HAS_SMOOTH:  # AWQ: x * smooth, rounded to x's dtype as in the reference
             xt = (xt.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[:, None]).to(dt)
         if not GROUPED:
