@@ -7,9 +7,11 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
         [--stages 3] [--k-step 128] [--per-channel] [--split 2]
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8]
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
+    ... [--unspecialized M,stride_om]
 
-Integer arguments are compiled as a launch specializes them (divisible by 16), except M (the
-GEMM keeps it unspecialized; for wint_mma: a batch size that is not a multiple of 16). Triton's
+Integer arguments are compiled as a launch specializes them (divisible by 16), except those named
+by --unspecialized (default M: the GEMM keeps it unspecialized; for wint_mma: a batch size that is
+not a multiple of 16; add e.g. stride_om for an output row of a width that is not). Triton's
 ptxas and nvdisasm do the work: whichever triton is first on the path is used (put the device's
 version first to see what it compiles).
 """
@@ -33,8 +35,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kiln.kernels import gemm, wint_mma  # noqa: E402
-
-UNSPECIALIZED = {"M"}
 
 
 def wint_mma_variant(a: argparse.Namespace) -> tuple:
@@ -87,6 +87,8 @@ def main() -> None:
     for flag in ("per-channel", "fp8"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
+    parser.add_argument("--unspecialized", default="M",
+                        help="comma-separated integer arguments compiled as not divisible by 16")
     a = parser.parse_args()
     a.block_m = a.block_m or (256 if a.kernel == "wint_mma" else 64)
     fn, sig, consts = (wint_mma_variant if a.kernel == "wint_mma" else gemm_variant)(a)
@@ -94,8 +96,13 @@ def main() -> None:
         if name not in sig and name not in consts:
             sig[name] = "i32"
     sig.update({name: "constexpr" for name in consts})
+    unspecialized = set(a.unspecialized.split(",")) - {""}
+    unknown = unspecialized - {n for n, t in sig.items() if t == "i32"}
+    if unknown:
+        parser.error(f"--unspecialized: {sorted(unknown)} are not integer arguments of "
+                     f"{fn.__name__}")
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-             if t == "i32" and n not in UNSPECIALIZED or t.startswith("*")}
+             if t == "i32" and n not in unspecialized or t.startswith("*")}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),

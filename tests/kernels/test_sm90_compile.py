@@ -27,3 +27,11 @@ def test_sm90_compile_reports_the_k_loop(args, wgmma_per_step, tmp_path):
     assert report["k_loop_instructions"] > wgmma_per_step
     assert "LDGSTS" in report["k_loop_loads"]  # the operands stream through cp.async
     assert (tmp_path / f"{args[0]}.sass").read_text().count("HGMMA") >= wgmma_per_step
+
+
+@needs_triton
+def test_sm90_compile_names_an_unknown_unspecialized_argument():
+    run = subprocess.run([sys.executable, SCRIPT, "gemm", "--unspecialized", "M,stride_zz"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "['stride_zz'] are not integer arguments of _gemm_kernel" in run.stderr
