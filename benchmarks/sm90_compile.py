@@ -50,18 +50,24 @@ def wint_mma_variant(a: argparse.Namespace) -> tuple:
 
 
 def wint_wgmma_variant(a: argparse.Namespace) -> tuple:
-    """_wint_wgmma_kernel's signature (TMA descriptors of bf16 x and int32 words) and constants."""
+    """_wint_wgmma_kernel's signature (TMA descriptors of bf16 x, int32 words and, group-wise,
+    bf16 scales) and constants (group 128 unless --per-channel)."""
     from triton.experimental.gluon import language as gl
 
     block_k = wint_wgmma.BLOCK_K
-    x_block, w_block = [a.block_m, block_k], [a.block_n, block_k * a.bits // 32]
-    x_layout = gl.NVMMASharedLayout.get_default_for(x_block, gl.bfloat16)
-    w_layout = gl.NVMMASharedLayout.get_default_for(w_block, gl.int32)
-    sig = {"x_desc": f"tensordesc<bf16{x_block},{x_layout!r}>",
-           "w_desc": f"tensordesc<i32{w_block},{w_layout!r}>",
-           "s_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    blocks = dict(x_desc=([a.block_m, block_k], gl.bfloat16),
+                  w_desc=([a.block_n, block_k * a.bits // 32], gl.int32),
+                  s_desc=([a.block_n, 8], gl.bfloat16))
+    if a.per_channel:  # the kernel takes w_desc's again
+        blocks["s_desc"] = blocks["w_desc"]
+    short = {gl.bfloat16: "bf16", gl.int32: "i32"}
+    sig = {name: f"tensordesc<{short[el]}{block},"
+                 f"{gl.NVMMASharedLayout.get_default_for(block, el)!r}>"
+           for name, (block, el) in blocks.items()}
+    sig.update({"s_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"})
     consts = dict(BITS=a.bits, GROUP_STEPS=0 if a.per_channel else 128 // block_k,
-                  STAGES=a.stages, num_warps=a.warps)
+                  STAGES=a.stages, BUFFERS=a.buffers, DECODE_REGS=wint_wgmma.DECODE_REGS,
+                  num_warps=a.warps)
     return wint_wgmma._wint_wgmma_kernel, sig, consts
 
 
@@ -102,6 +108,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=None, help="wint_wgmma: 8; else 4")
     parser.add_argument("--stages", type=int, default=None, help="wint_wgmma: 4; else 3")
     parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
+    parser.add_argument("--buffers", type=int, default=3, help="wint_wgmma: decoded tiles")
     for flag in ("per-channel", "fp8"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
@@ -130,8 +137,10 @@ def main() -> None:
         from triton.experimental.gluon._runtime import GluonASTSource as source
     src = source(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                  attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                            options=dict(num_warps=a.warps, num_stages=a.stages))
+    options = dict(num_warps=a.warps, num_stages=a.stages)
+    if gluon:  # as wint_wgmma_gemm launches it
+        options["maxnreg"] = wint_wgmma.launch_maxnreg(a.warps)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")

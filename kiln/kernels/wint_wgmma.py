@@ -75,9 +75,13 @@ GROUPS = (64, 128)  # group sizes a step lies inside (per channel: any K multipl
 class WgmmaTiles:
     block_m: int  # rows of x a program takes (the wgmma's M: 64, 128 or 256)
     block_n: int  # rows of W a program takes (the wgmma's N: 64..256)
-    stages: int = 4  # TMA ring depth
+    stages: int = 4  # TMA ring depth (x and codes)
     split: int = 0  # programs sharing a tile's K; 0: as many as _split picks
-    num_warps: int = 8
+    num_warps: int = 8  # the MMA partition's (one warpgroup per 64 rows of x, up to 2)
+    buffers: int = 3  # decoded weight tiles the decoder may run ahead by
+
+
+DECODE_REGS = 96  # registers a thread of the decoding warpgroup (setmaxnreg)
 
 
 def _mul_asm(decode: str, op: str) -> str:
@@ -161,25 +165,119 @@ if HAS_GLUON:
                                                   dtype=gl.float16, is_pure=True, pack=2)
         return gl.reshape(pairs, [BN, BKW * H * 2])  # [BN, BKW, H, 2] -> K order
 
+    _NO_SWIZZLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+
     @gluon.jit
-    def _issue_copies(x_desc, w_desc, x_bufs, w_bufs, bars, off_m, off_n, step, j,
-                      STAGES: gl.constexpr, pred):
-        """TMA copies of the program's step j (K step ``step`` of the weight) into its stage."""
-        stage = j % STAGES
-        bar = bars.index(stage)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-        _tma_load(x_desc, [off_m, step * x_desc.block_type.shape[1]], bar, x_bufs.index(stage),
-                  pred)
-        _tma_load(w_desc, [off_n, step * w_desc.block_type.shape[1]], bar, w_bufs.index(stage),
-                  pred)
+    def _barriers(count: gl.constexpr):
+        """count mbarriers, each completed by one arrival (or a TMA copy's bytes)."""
+        bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(count):
+            mbarrier.init(bars.index(j), count=1)
+        return bars
+
+    @gluon.jit
+    def _load_partition(descs, bars, bufs, off_m, off_n, step0, steps, group_steps):
+        """One warp: the TMA copies of every step, each into a stage its consumer has freed.
+        Codes (and the [BN, 8] block of group scales the step's group lies in) first: the
+        decoder needs them a step before the MMA needs x."""
+        x_desc, w_desc, s_desc = descs
+        x_ready, x_empty, w_ready, w_empty, dec_ready, dec_empty = bars
+        x_bufs, w_bufs, s_bufs, dec_bufs = bufs
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        # (worker partitions receive scalars as values, not constexprs: compile-time facts
+        # travel in buffer shapes; group-wise scale blocks are [STAGES, BN, 8])
+        GROUPED: gl.constexpr = s_bufs.shape[2] == 8
+        for i in range(steps):
+            stage = i % STAGES
+            phase = (i // STAGES) & 1
+            step = step0 + i
+            mbarrier.wait(w_empty.index(stage), phase ^ 1)  # (a fresh barrier passes phase 1)
+            bar = w_ready.index(stage)
+            if GROUPED:
+                mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+                _tma_load(s_desc, [off_n, step // group_steps // 8 * 8], bar,
+                          s_bufs.index(stage))
+            else:
+                mbarrier.expect(bar, w_desc.block_type.nbytes)
+            _tma_load(w_desc, [off_n, step * w_desc.block_type.shape[1]], bar,
+                      w_bufs.index(stage))
+            mbarrier.wait(x_empty.index(stage), phase ^ 1)
+            bar = x_ready.index(stage)
+            mbarrier.expect(bar, x_desc.block_type.nbytes)
+            _tma_load(x_desc, [off_m, step * x_desc.block_type.shape[1]], bar,
+                      x_bufs.index(stage))
+
+    @gluon.jit
+    def _decode_partition(descs, bars, bufs, off_m, off_n, step0, steps, group_steps):
+        """One warpgroup: decode each step's codes (times its group scales) into a free buffer
+        of decoded weights, running ahead of the MMA by as many buffers as there are."""
+        x_desc, w_desc, s_desc = descs
+        x_ready, x_empty, w_ready, w_empty, dec_ready, dec_empty = bars
+        x_bufs, w_bufs, s_bufs, dec_bufs = bufs
+        STAGES: gl.constexpr = w_bufs.shape[0]
+        BUFFERS: gl.constexpr = dec_bufs.shape[0]
+        BN: gl.constexpr = w_bufs.shape[1]
+        BKW: gl.constexpr = w_bufs.shape[2]
+        BITS: gl.constexpr = 32 * BKW // dec_bufs.shape[2]
+        dt: gl.constexpr = dec_bufs.dtype
+        GROUPED: gl.constexpr = s_bufs.shape[2] == 8  # (see _load_partition)
+        L4: gl.constexpr = _code_layout(BN, BKW, 32 // BITS, gl.num_warps())
+        WORDS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))  # [BN, BKW]
+        ROWS: gl.constexpr = gl.SliceLayout(1, WORDS)
+        # a thread's rows of the [BN, 8] scale block, as it holds its rows' codes
+        SCALES: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [gl.num_warps(), 1], [1, 0])
+        scale2 = gl.zeros([BN], gl.int32, ROWS)
+        for i in range(steps):
+            stage = i % STAGES
+            mbarrier.wait(w_ready.index(stage), (i // STAGES) & 1)
+            words = w_bufs.index(stage).load(WORDS)
+            if GROUPED:  # the step's group: a column of the block
+                block = s_bufs.index(stage).load(SCALES).to(gl.float32)
+                col = gl.arange(0, 8, layout=gl.SliceLayout(0, SCALES))
+                pick = gl.expand_dims(col == (step0 + i) // group_steps % 8, 0)
+                s = gl.sum(gl.where(pick, block, 0.0), axis=1).to(dt)
+                bits = gl.convert_layout(s, ROWS).to(gl.int16, bitcast=True).to(gl.int32)
+                bits = bits & 0xFFFF
+                scale2 = bits | (bits << 16)  # the scale's bits in both halves of a word
+            fence_async_shared()  # the reads ordered before the stage's next TMA write
+            mbarrier.arrive(w_empty.index(stage))
+            decoded = _decode_tile(words, scale2, BITS, GROUPED, L4, dt)
+            buf = i % BUFFERS
+            mbarrier.wait(dec_empty.index(buf), ((i // BUFFERS) & 1) ^ 1)
+            dec_bufs.index(buf).store(decoded)
+            fence_async_shared()  # the stores ordered before the wgmma's reads
+            mbarrier.arrive(dec_ready.index(buf))
+
+    @gluon.jit
+    def _mma_partition(bars, bufs, steps, BM: gl.constexpr, BN: gl.constexpr,
+                       num_warps: gl.constexpr):
+        """The kernel's warps: wgmma(x, decoded^T) asynchronously, one in flight while the next
+        step's operands are awaited; a finished wgmma frees its x stage and decoded buffer.
+        Returns the float32 accumulator [BM, BN]."""
+        x_ready, x_empty, w_ready, w_empty, dec_ready, dec_empty = bars
+        x_bufs, w_bufs, s_bufs, dec_bufs = bufs
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        BUFFERS: gl.constexpr = dec_bufs.shape[0]
+        acc = gl.zeros([BM, BN], gl.float32, _acc_layout(BM, BN, num_warps))
+        for i in range(steps):
+            stage = i % STAGES
+            buf = i % BUFFERS
+            mbarrier.wait(x_ready.index(stage), (i // STAGES) & 1)
+            mbarrier.wait(dec_ready.index(buf), (i // BUFFERS) & 1)
+            acc = warpgroup_mma(x_bufs.index(stage), dec_bufs.index(buf).permute((1, 0)), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))  # step i - 1's has finished
+            mbarrier.arrive(x_empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            mbarrier.arrive(dec_empty.index((i + BUFFERS - 1) % BUFFERS), pred=i > 0)
+        return (warpgroup_mma_wait(0, deps=(acc,)),)  # (warp_specialize returns a tuple)
 
     # M, the step counts and the split change with the batch and the layer: one compile serves
     @gluon.jit(do_not_specialize=["M", "num_steps", "steps_per_split", "num_splits"])
     def _wint_wgmma_kernel(
-        x_desc, w_desc, s_ptr, out_ptr, part_ptr, count_ptr,
+        x_desc, w_desc, s_desc, s_ptr, out_ptr, part_ptr, count_ptr,
         M, N, num_steps, steps_per_split, num_splits, stride_sn, stride_om,
         BITS: gl.constexpr, GROUP_STEPS: gl.constexpr, STAGES: gl.constexpr,
-        num_warps: gl.constexpr,
+        BUFFERS: gl.constexpr, DECODE_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """out [BM, BN] of one (x tile, W tile) over its share of K. GROUP_STEPS: K steps a scale
         group spans (0: per-channel scales, applied at the end)."""
@@ -188,18 +286,20 @@ if HAS_GLUON:
         BN: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = w_desc.block_type.shape[1]
         dt: gl.constexpr = x_desc.dtype
-        GROUPED: gl.constexpr = GROUP_STEPS > 0
-        L4: gl.constexpr = _code_layout(BN, BKW, 32 // BITS, num_warps)
-        WORDS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))  # [BN, BKW]
-        ACC: gl.constexpr = _acc_layout(BM, BN, num_warps)
-
         x_bufs = gl.allocate_shared_memory(dt, [STAGES, BM, BK], x_desc.layout)
         w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
+        if GROUP_STEPS > 0:  # [BN, 8] blocks of group scales, with the codes
+            s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape,
+                                               s_desc.layout)
+        else:  # per-channel scales are read once, at the end (s_desc is w_desc, unused)
+            s_bufs = gl.allocate_shared_memory(gl.int32, [1, 1, 1], _NO_SWIZZLE)
         dec_bufs = gl.allocate_shared_memory(
-            dt, [3, BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], dt))
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
+            dt, [BUFFERS, BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], dt))
+        # ready / empty: x stages, code stages (both STAGES deep), decoded buffers
+        bars = (_barriers(STAGES), _barriers(STAGES), _barriers(STAGES), _barriers(STAGES),
+                _barriers(BUFFERS), _barriers(BUFFERS))
+        bufs = (x_bufs, w_bufs, s_bufs, dec_bufs)
+        descs = (x_desc, w_desc, s_desc)
 
         pid_m = gl.program_id(0)
         pid_n = gl.program_id(1)
@@ -208,44 +308,17 @@ if HAS_GLUON:
         off_n = pid_n * BN
         step0 = pid_k * steps_per_split
         steps = gl.minimum(steps_per_split, num_steps - step0)  # >= 1: the host's split
-        for j in gl.static_range(STAGES - 2):
-            _issue_copies(x_desc, w_desc, x_bufs, w_bufs, bars, off_m, off_n, step0 + j, j,
-                          STAGES, j < steps)
-        rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, WORDS))
-        row_scales = s_ptr + rows.to(gl.int64) * stride_sn
-        # a step's group scales are loaded a step ahead (an L2 round trip would stall the decode)
-        scale_mask = rows < N
-        if GROUPED:
-            next_scales = gl.load(row_scales + step0 // GROUP_STEPS, mask=scale_mask, other=0.0)
-        else:
-            next_scales = gl.zeros([BN], s_ptr.dtype.element_ty, gl.SliceLayout(1, WORDS))
-        scale2 = gl.zeros([BN], gl.int32, gl.SliceLayout(1, WORDS))
-        acc = gl.zeros([BM, BN], gl.float32, ACC)
-        for i in range(steps):
-            stage = i % STAGES
-            if GROUPED:
-                bits = next_scales.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-                scale2 = bits | (bits << 16)  # [BN]: the scale's bits in both halves of a word
-                next_scales = gl.load(row_scales + (step0 + i + 1) // GROUP_STEPS,
-                                      mask=scale_mask & (i + 1 < steps), other=0.0)
-            mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-            words = w_bufs.index(stage).load(WORDS)
-            dec = dec_bufs.index(i % 3)
-            dec.store(_decode_tile(words, scale2, BITS, GROUPED, L4, dt))
-            fence_async_shared()
-            _cta_barrier()  # the tile written; every warpgroup done with step i - 2's wgmma
-            ahead = i + STAGES - 2  # refill the stage step i - 2 used
-            _issue_copies(x_desc, w_desc, x_bufs, w_bufs, bars, off_m, off_n, step0 + ahead,
-                          ahead, STAGES, ahead < steps)
-            acc = warpgroup_mma(x_bufs.index(stage), dec.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
+        worker_args = (descs, bars, bufs, off_m, off_n, step0, steps, GROUP_STEPS)
+        acc = gl.warp_specialize([
+            (_mma_partition, (bars, bufs, steps, BM, BN, num_warps)),
+            (_load_partition, worker_args),
+            (_decode_partition, worker_args),
+        ], [1, 4], [24, DECODE_REGS])[0]  # fmt: skip
 
+        ACC: gl.constexpr = _acc_layout(BM, BN, num_warps)
         offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
         offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, ACC))
-        if not GROUPED:
+        if GROUP_STEPS == 0:
             col_scales = gl.load(s_ptr + offs_n.to(gl.int64) * stride_sn, mask=offs_n < N,
                                  other=0.0)
             acc = acc * gl.expand_dims(col_scales.to(gl.float32), 0)
@@ -284,20 +357,24 @@ def wint_wgmma_applies(x: torch.Tensor, scales: torch.Tensor, bits: int, group: 
     """Whether this kernel takes x [M, K] @ W^T for a format wint_mma takes (the caller checks
     that: symmetric codes, no act-order, no AWQ smoothing): on an sm_90 GPU (wgmma is
     Hopper's), 16-bit x with rows TMA can read (16-byte aligned), K a multiple of BLOCK_K,
-    groups of GROUPS (group-wise scales in x's dtype) or per channel, M >= WGMMA_MIN_M[bits]."""
+    groups of GROUPS (group-wise scales in x's dtype, rows of a multiple of 8 groups, read by
+    TMA too) or per channel, M >= WGMMA_MIN_M[bits]."""
     m, k = x.shape
     grouped = group < k
     return (HAS_GLUON and bits in WGMMA_MIN_M and m >= WGMMA_MIN_M[bits] and x.is_cuda
             and _hopper(x.device) and x.dtype in (torch.bfloat16, torch.float16)
             and x.stride(1) == 1 and x.data_ptr() % 16 == 0 and (x.stride(0) * 2) % 16 == 0
             and k % BLOCK_K == 0
-            and (not grouped or group in GROUPS and k % group == 0 and scales.dtype == x.dtype))
+            and (not grouped or group in GROUPS and k % group == 0 and scales.dtype == x.dtype
+                 and (k // group) % 8 == 0 and scales.stride(0) % 8 == 0
+                 and scales.data_ptr() % 16 == 0))
 
 
 def wint_wgmma_tiles(m: int, n: int, bits: int) -> WgmmaTiles:
-    """x tiles of up to 256 rows against 128 rows of W (each weight decoded once per x tile)."""
+    """x tiles of the next power of two >= M rows, 64 to 256 (each weight decoded once per x
+    tile), against 128 rows of W; one MMA warpgroup per 64 rows of x, at most two."""
     block_m = min(256, max(64, 1 << (m - 1).bit_length()))
-    return WgmmaTiles(block_m, 128)
+    return WgmmaTiles(block_m, 128, num_warps=4 if block_m <= 64 else 8)
 
 
 def _split(tiles: WgmmaTiles, out_tiles: int, steps: int, device: torch.device) -> int:
@@ -306,6 +383,19 @@ def _split(tiles: WgmmaTiles, out_tiles: int, steps: int, device: torch.device) 
     while out_tiles * split < num_sms(device) and steps // (split * 2) >= MIN_STEPS_PER_SPLIT:
         split *= 2
     return split
+
+
+def launch_maxnreg(num_warps: int) -> int:
+    """Registers a thread at launch: the MMA warps, the decoding warpgroup and the loader's (a
+    warp, allocated as a warpgroup) share the SM's 64K; setmaxnreg then moves the workers' spare
+    ones to the MMA warps."""
+    return 65536 // (32 * (num_warps + 8)) // 8 * 8
+
+
+def _descriptor(t: torch.Tensor, block: list[int], el) -> TensorDescriptor:
+    """A TMA descriptor of a row-major matrix, the default swizzle for its block."""
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block,
+                            gl.NVMMASharedLayout.get_default_for(block, el))
 
 
 def wint_wgmma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -329,19 +419,18 @@ def wint_wgmma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     steps_per_split = triton.cdiv(num_steps, split)
     split = triton.cdiv(num_steps, steps_per_split)  # every split has at least one step
     el = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    x_block, w_block = [tiles.block_m, BLOCK_K], [tiles.block_n, BLOCK_K // cpw]
-    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], x_block,
-                              gl.NVMMASharedLayout.get_default_for(x_block, el))
-    w_desc = TensorDescriptor(words, [n, kw], [words.stride(0), 1], w_block,
-                              gl.NVMMASharedLayout.get_default_for(w_block, gl.int32))
+    x_desc = _descriptor(x, [tiles.block_m, BLOCK_K], el)
+    w_desc = _descriptor(words, [tiles.block_n, BLOCK_K // cpw], gl.int32)
+    s_desc = _descriptor(scales, [tiles.block_n, 8], el) if grouped else w_desc
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     # (unsplit: a placeholder, so that one compiled kernel serves every split)
     parts = torch.empty(x_tiles * row_tiles * tiles.block_m * tiles.block_n * split
                         if split > 1 else 1, device=x.device, dtype=torch.float32)
     _wint_wgmma_kernel[(x_tiles, row_tiles, split)](
-        x_desc, w_desc, scales, out, parts, _arrival_counters(x.device),
+        x_desc, w_desc, s_desc, scales, out, parts, _arrival_counters(x.device),
         m, n, num_steps, steps_per_split, split, scales.stride(0), out.stride(0),
         BITS=bits, GROUP_STEPS=group // BLOCK_K if grouped else 0, STAGES=tiles.stages,
-        num_warps=tiles.num_warps,
+        BUFFERS=tiles.buffers, DECODE_REGS=DECODE_REGS, num_warps=tiles.num_warps,
+        maxnreg=launch_maxnreg(tiles.num_warps),
     )  # fmt: skip
     return out
