@@ -66,8 +66,8 @@ def wint_wgmma_variant(a: argparse.Namespace) -> tuple:
            for name, (block, el) in blocks.items()}
     sig.update({"s_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"})
     consts = dict(BITS=a.bits, GROUP_STEPS=0 if a.per_channel else 128 // block_k,
-                  STAGES=a.stages, BUFFERS=a.buffers, DECODE_REGS=wint_wgmma.DECODE_REGS,
-                  num_warps=a.warps)
+                  STAGES=a.stages, BUFFERS=a.buffers, DECODE_WARPS=a.decode_warps,
+                  DECODE_REGS=wint_wgmma.DECODE_REGS[a.decode_warps], num_warps=a.warps)
     return wint_wgmma._wint_wgmma_kernel, sig, consts
 
 
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=None, help="wint_wgmma: 4; else 3")
     parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
     parser.add_argument("--buffers", type=int, default=3, help="wint_wgmma: decoded tiles")
+    parser.add_argument("--decode-warps", type=int, default=8, help="wint_wgmma: decoders")
     for flag in ("per-channel", "fp8"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
@@ -139,7 +140,7 @@ def main() -> None:
                  attrs=attrs)
     options = dict(num_warps=a.warps, num_stages=a.stages)
     if gluon:  # as wint_wgmma_gemm launches it
-        options["maxnreg"] = wint_wgmma.launch_maxnreg(a.warps)
+        options["maxnreg"] = wint_wgmma.launch_maxnreg(a.warps, a.decode_warps)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:

@@ -78,10 +78,13 @@ class WgmmaTiles:
     stages: int = 4  # TMA ring depth (x and codes)
     split: int = 0  # programs sharing a tile's K; 0: as many as _split picks
     num_warps: int = 8  # the MMA partition's (one warpgroup per 64 rows of x, up to 2)
-    buffers: int = 3  # decoded weight tiles the decoder may run ahead by
+    buffers: int = 3  # decoded weight tiles the decoders may run ahead by
+    decode_warps: int = 8  # the decoding partition's (one or two warpgroups)
 
 
-DECODE_REGS = 96  # registers a thread of the decoding warpgroup (setmaxnreg)
+# registers a thread of the decoding warps (setmaxnreg), by their number: with two warpgroups
+# each thread holds half the words, and the MMA warps need the rest for their accumulators
+DECODE_REGS = {4: 96, 8: 64}
 
 
 def _mul_asm(decode: str, op: str) -> str:
@@ -97,13 +100,23 @@ if HAS_GLUON:
     _SCALED8_F16 = gl.constexpr(_mul_asm(_DECODE8_F16.value, "f16x2"))
 
     @gluon.constexpr_function
+    def _code_threads(block_n, num_warps):
+        """Threads a warp puts along W's rows and along a row's words (the rest)."""
+        rows = min(32, max(block_n // num_warps, 1))
+        return rows, 32 // rows
+
+    @gluon.constexpr_function
     def _code_layout(block_n, block_kw, codes_per_word, num_warps):
         """[BN, BKW, pairs a word, 2]: a thread holds whole words of one row, all their pairs."""
-        rows_per_warp = max(block_n // num_warps, 1)
-        tn = min(32, rows_per_warp)
-        tw = 32 // tn
+        tn, tw = _code_threads(block_n, num_warps)
         return gl.BlockedLayout([1, block_kw // tw, codes_per_word // 2, 2], [tn, tw, 1, 1],
                                 [num_warps, 1, 1, 1], [3, 2, 1, 0])
+
+    @gluon.constexpr_function
+    def _scale_layout(block_n, num_warps):
+        """[BN, 8] group scales, rows on the threads that hold the rows' codes."""
+        tn, tw = _code_threads(block_n, num_warps)
+        return gl.BlockedLayout([1, 8 // tw], [tn, tw], [num_warps, 1], [1, 0])
 
     @gluon.constexpr_function
     def _acc_layout(block_m, block_n, num_warps):
@@ -224,8 +237,7 @@ if HAS_GLUON:
         L4: gl.constexpr = _code_layout(BN, BKW, 32 // BITS, gl.num_warps())
         WORDS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))  # [BN, BKW]
         ROWS: gl.constexpr = gl.SliceLayout(1, WORDS)
-        # a thread's rows of the [BN, 8] scale block, as it holds its rows' codes
-        SCALES: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [gl.num_warps(), 1], [1, 0])
+        SCALES: gl.constexpr = _scale_layout(BN, gl.num_warps())
         scale2 = gl.zeros([BN], gl.int32, ROWS)
         for i in range(steps):
             stage = i % STAGES
@@ -239,14 +251,15 @@ if HAS_GLUON:
                 bits = gl.convert_layout(s, ROWS).to(gl.int16, bitcast=True).to(gl.int32)
                 bits = bits & 0xFFFF
                 scale2 = bits | (bits << 16)  # the scale's bits in both halves of a word
-            fence_async_shared()  # the reads ordered before the stage's next TMA write
-            mbarrier.arrive(w_empty.index(stage))
             decoded = _decode_tile(words, scale2, BITS, GROUPED, L4, dt)
             buf = i % BUFFERS
             mbarrier.wait(dec_empty.index(buf), ((i // BUFFERS) & 1) ^ 1)
             dec_bufs.index(buf).store(decoded)
-            fence_async_shared()  # the stores ordered before the wgmma's reads
+            # one fence orders both the stores before the wgmma's reads and this stage's reads
+            # before its next TMA write (each a generic access, then an async-proxy one)
+            fence_async_shared()
             mbarrier.arrive(dec_ready.index(buf))
+            mbarrier.arrive(w_empty.index(stage))
 
     @gluon.jit
     def _mma_partition(bars, bufs, steps, BM: gl.constexpr, BN: gl.constexpr,
@@ -277,7 +290,8 @@ if HAS_GLUON:
         x_desc, w_desc, s_desc, s_ptr, out_ptr, part_ptr, count_ptr,
         M, N, num_steps, steps_per_split, num_splits, stride_sn, stride_om,
         BITS: gl.constexpr, GROUP_STEPS: gl.constexpr, STAGES: gl.constexpr,
-        BUFFERS: gl.constexpr, DECODE_REGS: gl.constexpr, num_warps: gl.constexpr,
+        BUFFERS: gl.constexpr, DECODE_WARPS: gl.constexpr, DECODE_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """out [BM, BN] of one (x tile, W tile) over its share of K. GROUP_STEPS: K steps a scale
         group spans (0: per-channel scales, applied at the end)."""
@@ -313,7 +327,7 @@ if HAS_GLUON:
             (_mma_partition, (bars, bufs, steps, BM, BN, num_warps)),
             (_load_partition, worker_args),
             (_decode_partition, worker_args),
-        ], [1, 4], [24, DECODE_REGS])[0]  # fmt: skip
+        ], [1, DECODE_WARPS], [24, DECODE_REGS])[0]  # fmt: skip
 
         ACC: gl.constexpr = _acc_layout(BM, BN, num_warps)
         offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
@@ -385,11 +399,11 @@ def _split(tiles: WgmmaTiles, out_tiles: int, steps: int, device: torch.device) 
     return split
 
 
-def launch_maxnreg(num_warps: int) -> int:
-    """Registers a thread at launch: the MMA warps, the decoding warpgroup and the loader's (a
-    warp, allocated as a warpgroup) share the SM's 64K; setmaxnreg then moves the workers' spare
-    ones to the MMA warps."""
-    return 65536 // (32 * (num_warps + 8)) // 8 * 8
+def launch_maxnreg(num_warps: int, decode_warps: int) -> int:
+    """Registers a thread at launch: the MMA warps, the decoding warps and the loader's (a warp,
+    allocated as a warpgroup) share the SM's 64K; setmaxnreg then moves the workers' spare ones
+    to the MMA warps."""
+    return 65536 // (32 * (num_warps + decode_warps + 4)) // 8 * 8
 
 
 def _descriptor(t: torch.Tensor, block: list[int], el) -> TensorDescriptor:
@@ -430,7 +444,8 @@ def wint_wgmma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         x_desc, w_desc, s_desc, scales, out, parts, _arrival_counters(x.device),
         m, n, num_steps, steps_per_split, split, scales.stride(0), out.stride(0),
         BITS=bits, GROUP_STEPS=group // BLOCK_K if grouped else 0, STAGES=tiles.stages,
-        BUFFERS=tiles.buffers, DECODE_REGS=DECODE_REGS, num_warps=tiles.num_warps,
-        maxnreg=launch_maxnreg(tiles.num_warps),
+        BUFFERS=tiles.buffers, DECODE_WARPS=tiles.decode_warps,
+        DECODE_REGS=DECODE_REGS[tiles.decode_warps], num_warps=tiles.num_warps,
+        maxnreg=launch_maxnreg(tiles.num_warps, tiles.decode_warps),
     )  # fmt: skip
     return out
