@@ -6,7 +6,7 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
     python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
         [--stages 3] [--k-step 128] [--per-channel] [--split 2]
     python3 benchmarks/sm90_compile.py wint_wgmma --bits 4 --block-n 128 --block-m 256
-        [--warps 8] [--stages 4] [--per-channel] [--split 2]   (the Gluon kernel; group 128)
+        [--stages 4] [--per-channel]   (the Gluon kernel; group 128; block-n / 16 warps)
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8]
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
     ... [--unspecialized M,stride_om]
@@ -51,7 +51,7 @@ def wint_mma_variant(a: argparse.Namespace) -> tuple:
 
 def wint_wgmma_variant(a: argparse.Namespace) -> tuple:
     """_wint_wgmma_kernel's signature (TMA descriptors of bf16 x, int32 words and, group-wise,
-    bf16 scales) and constants (group 128 unless --per-channel)."""
+    bf16 scales) and constants (group 128 unless --per-channel; --block-n / 16 warps)."""
     from triton.experimental.gluon import language as gl
 
     block_k = wint_wgmma.BLOCK_K
@@ -65,9 +65,9 @@ def wint_wgmma_variant(a: argparse.Namespace) -> tuple:
                  f"{gl.NVMMASharedLayout.get_default_for(block, el)!r}>"
            for name, (block, el) in blocks.items()}
     sig.update({"s_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"})
+    a.warps = a.block_n // 16
     consts = dict(BITS=a.bits, GROUP_STEPS=0 if a.per_channel else 128 // block_k,
-                  STAGES=a.stages, BUFFERS=a.buffers, DECODE_WARPS=a.decode_warps,
-                  DECODE_REGS=wint_wgmma.DECODE_REGS[a.decode_warps], num_warps=a.warps)
+                  STAGES=a.stages, num_warps=a.warps)
     return wint_wgmma._wint_wgmma_kernel, sig, consts
 
 
@@ -105,11 +105,9 @@ def main() -> None:
                         help="x rows a tile (wint_mma: 256; gemm: 64)")
     parser.add_argument("--block-k", type=int, default=128)
     parser.add_argument("--k-step", type=int, default=128)
-    parser.add_argument("--warps", type=int, default=None, help="wint_wgmma: 8; else 4")
+    parser.add_argument("--warps", type=int, default=None, help="else 4 (wint_wgmma: block-n/16)")
     parser.add_argument("--stages", type=int, default=None, help="wint_wgmma: 4; else 3")
     parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
-    parser.add_argument("--buffers", type=int, default=3, help="wint_wgmma: decoded tiles")
-    parser.add_argument("--decode-warps", type=int, default=8, help="wint_wgmma: decoders")
     for flag in ("per-channel", "fp8"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
@@ -140,7 +138,7 @@ def main() -> None:
                  attrs=attrs)
     options = dict(num_warps=a.warps, num_stages=a.stages)
     if gluon:  # as wint_wgmma_gemm launches it
-        options["maxnreg"] = wint_wgmma.launch_maxnreg(a.warps, a.decode_warps)
+        options["maxnreg"] = wint_wgmma.launch_maxnreg(a.warps)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:

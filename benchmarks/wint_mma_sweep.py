@@ -67,9 +67,8 @@ def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
 
 
 def wgmma_candidates(m: int) -> list[wg.WgmmaTiles]:
-    tiles = [wg.WgmmaTiles(128, 128, 4, num_warps=4), wg.WgmmaTiles(128, 64, 6, num_warps=4),
-             wg.WgmmaTiles(256, 128, 4), wg.WgmmaTiles(256, 128, 4, decode_warps=4),
-             wg.WgmmaTiles(256, 128, 4, buffers=4), wg.WgmmaTiles(256, 64, 5)]
+    tiles = [wg.WgmmaTiles(128, 128, 4), wg.WgmmaTiles(128, 64, 6), wg.WgmmaTiles(256, 128, 4),
+             wg.WgmmaTiles(256, 128, 3), wg.WgmmaTiles(256, 64, 5)]
     return [t for t in tiles if t.block_m <= max(128, 1 << (m - 1).bit_length())]
 
 
@@ -114,8 +113,7 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
             out_tiles = -(-m // t.block_m) * -(-n // t.block_n)
             rule = wg._split(t, out_tiles, k // wg.BLOCK_K, x.device)
             for split in (rule, rule * 2):
-                key = (f"wg{t.block_m}x{t.block_n}w{t.num_warps}d{t.decode_warps}s{t.stages}"
-                       f"b{t.buffers}k{split}{'*' if split == rule else ''}")
+                key = f"wg{t.block_m}x{t.block_n}s{t.stages}k{split}{'*' if split == rule else ''}"
                 row[key] = timed_wg(dataclasses.replace(t, split=split))
         return row
     if default_only:

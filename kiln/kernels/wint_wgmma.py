@@ -1,31 +1,31 @@
-"""Weight-only GEMM for large batches on Hopper, in Gluon: x through TMA, codes decoded into
-shared memory, asynchronous wgmma with both operands there.
+"""Weight-only GEMM for large batches on Hopper, in Gluon: the codes decoded straight into
+wgmma's register operand, x^T through TMA into shared memory, a warp issuing the copies.
 
     y[m, n] = sum_k x[m, k] (u[n, k] - 2^(b - 1)) s[n, k // G]
 
 The same formats as kiln/kernels/wint_mma.py (symmetric int4 codes packed 8 to an int32 word,
 8-bit codes 4 to a word; scales group-wise or per channel), for the batches where that kernel
-loses to bf16 cuBLAS: there the weights are decoded in registers into the dot's A operand, and
-each warp issues ~360 instructions per 128-code step, more than the step's tensor-core time
-(results/h100/wint_mma_clamp.txt). Here a K step of one program is:
+loses to bf16 cuBLAS. A program computes out^T [BN, BM] = W [BN, K] @ x^T [K, BM] for BN rows of
+W (64 per warpgroup of the MMA partition, one or two) against BM rows of x (the wgmma's N, up
+to 256), in K steps of 64 codes:
 
-  1. wait for the step's TMA copies: x [BM, BK] and the codes [BN, BK / codes per word] land in
-     stage ``i % STAGES`` of a ring (issued STAGES - 2 steps ahead);
-  2. decode the codes (prmt + lop3 + one packed FMA a pair, wint_mma's asm, and one packed
-     multiply by the group scale) and store the [BN, BK] tile to one of three buffers;
-  3. fence, barrier, then wgmma(x, decoded^T) asynchronously; wait until only this step's is in
-     flight, so the next step decodes while it runs.
+  - the loader (one warp) copies x [BM, 64], the codes [BN, 64 / codes per word] and, for
+    group-wise scales, the [BN, 8] block of scales the step's group lies in, into a ring of
+    STAGES stages (mbarriers: ready when the bytes land, empty when the MMA warps are done);
+  - the MMA warps load each thread's words of its wgmma A fragment from shared memory (the
+    fragment of rows g, g + 8 and codes 2c, 2c + 1, 2c + 8, 2c + 9 of every 16 needs one pair of
+    each word it touches: int4 pair c of two words, 8-bit codes pair c % 2 of words c / 2 and
+    2 + c / 2), decode them with wint_mma's prmt + lop3 + packed FMA and multiply by the group
+    scale (one packed multiply, rounded to x's dtype as the dequantized reference's weights),
+    and issue wgmma(A in registers, x^T in shared memory) asynchronously: the next step decodes
+    while it runs. Each thread decodes only its own fragment (1/4 of the codes a warp reads).
 
-Three decoded buffers, because a warpgroup may still be reading the previous step's while
-another, past the barrier, writes the next; STAGES - 2 copies ahead, because a stage is
-refilled only once every warpgroup's wgmma of two steps ago has finished (which the barrier of
-this step guarantees).
-
-The decoded weights are (u - 2^(b - 1)) s rounded to x's dtype, as kiln/quant's dequantized
-reference; per-channel scales multiply the float32 accumulator at the end (as wint_mma). K is
-split over ``split`` programs when the output tiles alone leave SMs idle; the last program of a
-tile to arrive adds the float32 partials in split order, so the result does not depend on the
-arrival order (wint_mma's scheme and counters).
+(The earlier form decoded whole tiles into shared memory for wgmma to read there: shared
+memory traffic, not the decoding, capped it at ~60% of the tensor cores:
+benchmarks/results/h100/wint_wgmma.txt.) Per-channel scales multiply the float32 accumulator
+at the end (as wint_mma). K is split over ``split`` programs when the output tiles alone leave
+SMs idle; the last program of a tile to arrive adds the float32 partials in split order, so the
+result does not depend on the arrival order (wint_mma's scheme and counters).
 
 Gluon has no interpreter: the CPU tests compile this kernel for sm_90, the GPU tests compare it
 with the dequantized reference (tests/kernels/test_wint_wgmma.py).
@@ -67,24 +67,16 @@ try:
 except ImportError:  # no triton, or one without Gluon's Hopper API: wint_wgmma_applies is False
     HAS_GLUON = False
 
-BLOCK_K = 64  # codes of K a step (one 128-byte row of decoded bf16 weights)
+BLOCK_K = 64  # codes of K a step
 GROUPS = (64, 128)  # group sizes a step lies inside (per channel: any K multiple of BLOCK_K)
 
 
 @dataclass(frozen=True)
 class WgmmaTiles:
-    block_m: int  # rows of x a program takes (the wgmma's M: 64, 128 or 256)
-    block_n: int  # rows of W a program takes (the wgmma's N: 64..256)
-    stages: int = 4  # TMA ring depth (x and codes)
+    block_m: int  # rows of x a program takes (the wgmma's N: 64 to 256)
+    block_n: int  # rows of W a program takes (64 per MMA warpgroup: 64 or 128)
+    stages: int = 4  # TMA ring depth
     split: int = 0  # programs sharing a tile's K; 0: as many as _split picks
-    num_warps: int = 8  # the MMA partition's (one warpgroup per 64 rows of x, up to 2)
-    buffers: int = 3  # decoded weight tiles the decoders may run ahead by
-    decode_warps: int = 8  # the decoding partition's (one or two warpgroups)
-
-
-# registers a thread of the decoding warps (setmaxnreg), by their number: with two warpgroups
-# each thread holds half the words, and the MMA warps need the rest for their accumulators
-DECODE_REGS = {4: 96, 8: 64}
 
 
 def _mul_asm(decode: str, op: str) -> str:
@@ -98,47 +90,57 @@ if HAS_GLUON:
     _SCALED4_F16 = gl.constexpr(_mul_asm(_DECODE4_F16.value, "f16x2"))
     _SCALED8_BF16 = gl.constexpr(_mul_asm(_DECODE8_BF16.value, "bf16x2"))
     _SCALED8_F16 = gl.constexpr(_mul_asm(_DECODE8_F16.value, "f16x2"))
+    _NO_SWIZZLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
 
     @gluon.constexpr_function
-    def _code_threads(block_n, num_warps):
-        """Threads a warp puts along W's rows and along a row's words (the rest)."""
-        rows = min(32, max(block_n // num_warps, 1))
-        return rows, 32 // rows
+    def _acc_layout(block_m, num_warps):
+        """out^T [BN, BM]: 16 rows of W a warp, x's BM rows the instruction's N."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                         instr_shape=[16, block_m, 16])
 
     @gluon.constexpr_function
-    def _code_layout(block_n, block_kw, codes_per_word, num_warps):
-        """[BN, BKW, pairs a word, 2]: a thread holds whole words of one row, all their pairs."""
-        tn, tw = _code_threads(block_n, num_warps)
-        return gl.BlockedLayout([1, block_kw // tw, codes_per_word // 2, 2], [tn, tw, 1, 1],
-                                [num_warps, 1, 1, 1], [3, 2, 1, 0])
+    def _row_bases(num_warps):
+        """A wgmma A fragment's rows in a 16-row warp block: lanes 4 g + c hold rows g and g + 8
+        (a register bit), warps the blocks. Returns (register, lane, warp) row bases."""
+        warps = [16 << i for i in range(num_warps.bit_length() - 1)]
+        return [8], [0, 0, 1, 2, 4], warps
 
     @gluon.constexpr_function
-    def _scale_layout(block_n, num_warps):
-        """[BN, 8] group scales, rows on the threads that hold the rows' codes."""
-        tn, tw = _code_threads(block_n, num_warps)
-        return gl.BlockedLayout([1, 8 // tw], [tn, tw], [num_warps, 1], [1, 0])
-
-    @gluon.constexpr_function
-    def _acc_layout(block_m, block_n, num_warps):
-        """The wgmma accumulator: warps along M first (16 rows each), the widest N instruction."""
-        warps = [4, 1]
-        while warps[0] * warps[1] != num_warps:
-            if block_m > 16 * warps[0]:
-                warps[0] *= 2
+    def _code_layout(block_kw, bits, num_warps):
+        """[BN, BKW, pairs a word, 2] over the A fragments: a thread's pairs are those of codes
+        2c, 2c + 1 (+ 8) of every 16. int4 (4 pairs a word): pair c of every word, the words in
+        registers; 8-bit codes (2 pairs): pair c % 2 of every other word, lane bit 1 picking
+        which (word bit 0), the remaining word bits in registers."""
+        row_reg, row_lane, row_warp = _row_bases(num_warps)
+        pair_bits = 2 if bits == 4 else 1  # log2(pairs a word)
+        lane_word_bits = 2 - pair_bits  # c's bits that pick a word (8-bit: c / 2)
+        lane = []
+        for i, r in enumerate(row_lane):
+            if i < 2:  # c's bits
+                lane.append([0, 0, 1 << i, 0] if i < pair_bits else [0, 1 << (i - pair_bits), 0, 0])
             else:
-                warps[1] *= 2
-        max_n = max(block_n // warps[1], 8)
-        n = 256
-        while n > max_n or block_n % n:
-            n -= 8
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
-                                         instr_shape=[16, n, 16])
+                lane.append([r, 0, 0, 0])
+        reg = [[0, 0, 0, 1]]  # the pair's two codes
+        reg += [[0, 1 << b, 0, 0] for b in range(lane_word_bits, block_kw.bit_length() - 1)]
+        reg += [[r, 0, 0, 0] for r in row_reg]
+        warp = [[r, 0, 0, 0] for r in row_warp]
+        shape = [16 * num_warps, block_kw, 1 << pair_bits, 2]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], shape)
+
+    @gluon.constexpr_function
+    def _scale_layout(num_warps):
+        """[BN, 8] group scales, each thread its fragment rows' 8 (lanes c replicate)."""
+        row_reg, row_lane, row_warp = _row_bases(num_warps)
+        reg = [[0, 1], [0, 2], [0, 4]] + [[r, 0] for r in row_reg]
+        return gl.DistributedLinearLayout(reg, [[r, 0] for r in row_lane],
+                                          [[r, 0] for r in row_warp], [], [16 * num_warps, 8])
 
     @gluon.jit
-    def _decode_tile(words, scale2, BITS: gl.constexpr, GROUPED: gl.constexpr,
-                     L4: gl.constexpr, dt: gl.constexpr):
-        """words [BN, BKW] int32 -> decoded [BN, BKW * codes per word] in dt, times the row's
-        group scale (scale2: [BN] int32, the scale's bits in both halves) if GROUPED."""
+    def _decode_fragment(words, scale2, BITS: gl.constexpr, GROUPED: gl.constexpr,
+                         L4: gl.constexpr, dt: gl.constexpr):
+        """words [BN, BKW] int32 (L4 sliced: each thread its fragment's words) -> its fragment
+        pairs [BN, BKW * codes per word] in dt, times the row's group scale (scale2: [BN] int32,
+        the scale's bits in both halves of a word) if GROUPED."""
         BN: gl.constexpr = words.shape[0]
         BKW: gl.constexpr = words.shape[1]
         H: gl.constexpr = 16 // BITS  # pairs a word
@@ -149,14 +151,14 @@ if HAS_GLUON:
         else:  # bytes 2 p and 2 p + 1 of the word
             second = words
             sel = pair * 0x202 + 0x100
-        twice = gl.full([1, 1, 1, 2], 0, gl.int32, L4)  # each asm instance takes two elements
-        w4 = gl.expand_dims(gl.expand_dims(words, 2), 3) + twice  # [BN, BKW, 1, 2]
-        s4 = gl.expand_dims(gl.expand_dims(second, 2), 3) + twice
-        sel4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(sel, 0), 1), 3)  # [1, 1, H, 1]
+        zero = gl.full([1, 1, H, 2], 0, gl.int32, L4)  # broadcast to a pair per thread...
+        w4 = gl.expand_dims(gl.expand_dims(words, 2), 3) + zero  # [BN, BKW, H, 2]
+        s4 = gl.expand_dims(gl.expand_dims(second, 2), 3) + zero
+        sel4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(sel, 0), 1), 3) + zero
         # (inline asm takes literal strings and dtypes: one call per case, each folded at
-        # compile time)
+        # compile time; an instance takes the two elements of a pair: $1 $2 the word, ...)
         if GROUPED:
-            sc4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(scale2, 1), 2), 3)
+            sc4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(scale2, 1), 2), 3) + zero
             args = [w4, s4, sel4, sc4]
             if dt == gl.bfloat16:
                 asm: gl.constexpr = _SCALED4_BF16 if BITS == 4 else _SCALED8_BF16
@@ -178,8 +180,6 @@ if HAS_GLUON:
                                                   dtype=gl.float16, is_pure=True, pack=2)
         return gl.reshape(pairs, [BN, BKW * H * 2])  # [BN, BKW, H, 2] -> K order
 
-    _NO_SWIZZLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-
     @gluon.jit
     def _barriers(count: gl.constexpr):
         """count mbarriers, each completed by one arrival (or a TMA copy's bytes)."""
@@ -190,58 +190,56 @@ if HAS_GLUON:
 
     @gluon.jit
     def _load_partition(descs, bars, bufs, off_m, off_n, step0, steps, group_steps):
-        """One warp: the TMA copies of every step, each into a stage its consumer has freed.
-        Codes (and the [BN, 8] block of group scales the step's group lies in) first: the
-        decoder needs them a step before the MMA needs x."""
+        """One warp: the TMA copies of every step into a stage the MMA warps have freed."""
         x_desc, w_desc, s_desc = descs
-        x_ready, x_empty, w_ready, w_empty, dec_ready, dec_empty = bars
-        x_bufs, w_bufs, s_bufs, dec_bufs = bufs
+        ready, empty = bars
+        x_bufs, w_bufs, s_bufs = bufs
         STAGES: gl.constexpr = x_bufs.shape[0]
         # (worker partitions receive scalars as values, not constexprs: compile-time facts
         # travel in buffer shapes; group-wise scale blocks are [STAGES, BN, 8])
         GROUPED: gl.constexpr = s_bufs.shape[2] == 8
         for i in range(steps):
             stage = i % STAGES
-            phase = (i // STAGES) & 1
             step = step0 + i
-            mbarrier.wait(w_empty.index(stage), phase ^ 1)  # (a fresh barrier passes phase 1)
-            bar = w_ready.index(stage)
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # (fresh: phase 1 passes)
+            bar = ready.index(stage)
             if GROUPED:
-                mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes
+                                + s_desc.block_type.nbytes)
                 _tma_load(s_desc, [off_n, step // group_steps // 8 * 8], bar,
                           s_bufs.index(stage))
             else:
-                mbarrier.expect(bar, w_desc.block_type.nbytes)
+                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
             _tma_load(w_desc, [off_n, step * w_desc.block_type.shape[1]], bar,
                       w_bufs.index(stage))
-            mbarrier.wait(x_empty.index(stage), phase ^ 1)
-            bar = x_ready.index(stage)
-            mbarrier.expect(bar, x_desc.block_type.nbytes)
             _tma_load(x_desc, [off_m, step * x_desc.block_type.shape[1]], bar,
                       x_bufs.index(stage))
 
     @gluon.jit
-    def _decode_partition(descs, bars, bufs, off_m, off_n, step0, steps, group_steps):
-        """One warpgroup: decode each step's codes (times its group scales) into a free buffer
-        of decoded weights, running ahead of the MMA by as many buffers as there are."""
-        x_desc, w_desc, s_desc = descs
-        x_ready, x_empty, w_ready, w_empty, dec_ready, dec_empty = bars
-        x_bufs, w_bufs, s_bufs, dec_bufs = bufs
-        STAGES: gl.constexpr = w_bufs.shape[0]
-        BUFFERS: gl.constexpr = dec_bufs.shape[0]
+    def _mma_partition(bars, bufs, step0, steps, group_steps, BITS: gl.constexpr,
+                       num_warps: gl.constexpr):
+        """The kernel's warps: decode each step's A fragments, wgmma(A, x^T) asynchronously with
+        one in flight; a finished wgmma frees its stage. Returns the float32 accumulator
+        [BN, BM] (out^T)."""
+        ready, empty = bars
+        x_bufs, w_bufs, s_bufs = bufs
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        BM: gl.constexpr = x_bufs.shape[1]
         BN: gl.constexpr = w_bufs.shape[1]
         BKW: gl.constexpr = w_bufs.shape[2]
-        BITS: gl.constexpr = 32 * BKW // dec_bufs.shape[2]
-        dt: gl.constexpr = dec_bufs.dtype
-        GROUPED: gl.constexpr = s_bufs.shape[2] == 8  # (see _load_partition)
-        L4: gl.constexpr = _code_layout(BN, BKW, 32 // BITS, gl.num_warps())
+        dt: gl.constexpr = x_bufs.dtype
+        GROUPED: gl.constexpr = s_bufs.shape[2] == 8
+        ACC: gl.constexpr = _acc_layout(BM, num_warps)
+        A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        L4: gl.constexpr = _code_layout(BKW, BITS, num_warps)
         WORDS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))  # [BN, BKW]
         ROWS: gl.constexpr = gl.SliceLayout(1, WORDS)
-        SCALES: gl.constexpr = _scale_layout(BN, gl.num_warps())
+        SCALES: gl.constexpr = _scale_layout(num_warps)
         scale2 = gl.zeros([BN], gl.int32, ROWS)
+        acc = gl.zeros([BN, BM], gl.float32, ACC)
         for i in range(steps):
             stage = i % STAGES
-            mbarrier.wait(w_ready.index(stage), (i // STAGES) & 1)
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             words = w_bufs.index(stage).load(WORDS)
             if GROUPED:  # the step's group: a column of the block
                 block = s_bufs.index(stage).load(SCALES).to(gl.float32)
@@ -251,37 +249,13 @@ if HAS_GLUON:
                 bits = gl.convert_layout(s, ROWS).to(gl.int16, bitcast=True).to(gl.int32)
                 bits = bits & 0xFFFF
                 scale2 = bits | (bits << 16)  # the scale's bits in both halves of a word
-            decoded = _decode_tile(words, scale2, BITS, GROUPED, L4, dt)
-            buf = i % BUFFERS
-            mbarrier.wait(dec_empty.index(buf), ((i // BUFFERS) & 1) ^ 1)
-            dec_bufs.index(buf).store(decoded)
-            # one fence orders both the stores before the wgmma's reads and this stage's reads
-            # before its next TMA write (each a generic access, then an async-proxy one)
-            fence_async_shared()
-            mbarrier.arrive(dec_ready.index(buf))
-            mbarrier.arrive(w_empty.index(stage))
-
-    @gluon.jit
-    def _mma_partition(bars, bufs, steps, BM: gl.constexpr, BN: gl.constexpr,
-                       num_warps: gl.constexpr):
-        """The kernel's warps: wgmma(x, decoded^T) asynchronously, one in flight while the next
-        step's operands are awaited; a finished wgmma frees its x stage and decoded buffer.
-        Returns the float32 accumulator [BM, BN]."""
-        x_ready, x_empty, w_ready, w_empty, dec_ready, dec_empty = bars
-        x_bufs, w_bufs, s_bufs, dec_bufs = bufs
-        STAGES: gl.constexpr = x_bufs.shape[0]
-        BUFFERS: gl.constexpr = dec_bufs.shape[0]
-        acc = gl.zeros([BM, BN], gl.float32, _acc_layout(BM, BN, num_warps))
-        for i in range(steps):
-            stage = i % STAGES
-            buf = i % BUFFERS
-            mbarrier.wait(x_ready.index(stage), (i // STAGES) & 1)
-            mbarrier.wait(dec_ready.index(buf), (i // BUFFERS) & 1)
-            acc = warpgroup_mma(x_bufs.index(stage), dec_bufs.index(buf).permute((1, 0)), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))  # step i - 1's has finished
-            mbarrier.arrive(x_empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-            mbarrier.arrive(dec_empty.index((i + BUFFERS - 1) % BUFFERS), pred=i > 0)
+            a = gl.convert_layout(_decode_fragment(words, scale2, BITS, GROUPED, L4, dt), A)
+            # (the next step's decode may overwrite a's registers: the hardware holds such writes
+            # until the wgmma has read them, so they wait for it to start, not to finish)
+            acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))  # step i - 1's has finished: free its stage
+            fence_async_shared()  # this thread's reads of the stage before its next TMA write
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
         return (warpgroup_mma_wait(0, deps=(acc,)),)  # (warp_specialize returns a tuple)
 
     # M, the step counts and the split change with the batch and the layer: one compile serves
@@ -290,67 +264,64 @@ if HAS_GLUON:
         x_desc, w_desc, s_desc, s_ptr, out_ptr, part_ptr, count_ptr,
         M, N, num_steps, steps_per_split, num_splits, stride_sn, stride_om,
         BITS: gl.constexpr, GROUP_STEPS: gl.constexpr, STAGES: gl.constexpr,
-        BUFFERS: gl.constexpr, DECODE_WARPS: gl.constexpr, DECODE_REGS: gl.constexpr,
         num_warps: gl.constexpr,
     ):  # fmt: skip
-        """out [BM, BN] of one (x tile, W tile) over its share of K. GROUP_STEPS: K steps a scale
-        group spans (0: per-channel scales, applied at the end)."""
+        """out^T [BN, BM] of one (W tile, x tile) over its share of K. GROUP_STEPS: K steps a
+        scale group spans (0: per-channel scales, applied at the end)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = w_desc.block_type.shape[1]
-        dt: gl.constexpr = x_desc.dtype
-        x_bufs = gl.allocate_shared_memory(dt, [STAGES, BM, BK], x_desc.layout)
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
         w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
         if GROUP_STEPS > 0:  # [BN, 8] blocks of group scales, with the codes
             s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape,
                                                s_desc.layout)
         else:  # per-channel scales are read once, at the end (s_desc is w_desc, unused)
             s_bufs = gl.allocate_shared_memory(gl.int32, [1, 1, 1], _NO_SWIZZLE)
-        dec_bufs = gl.allocate_shared_memory(
-            dt, [BUFFERS, BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], dt))
-        # ready / empty: x stages, code stages (both STAGES deep), decoded buffers
-        bars = (_barriers(STAGES), _barriers(STAGES), _barriers(STAGES), _barriers(STAGES),
-                _barriers(BUFFERS), _barriers(BUFFERS))
-        bufs = (x_bufs, w_bufs, s_bufs, dec_bufs)
-        descs = (x_desc, w_desc, s_desc)
+        bars = (_barriers(STAGES), _barriers(STAGES))  # ready, empty
+        bufs = (x_bufs, w_bufs, s_bufs)
 
-        pid_m = gl.program_id(0)
-        pid_n = gl.program_id(1)
+        pid_n = gl.program_id(0)  # x tiles on axis 1: programs sharing a W tile run together
+        pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
         off_m = pid_m * BM
         off_n = pid_n * BN
         step0 = pid_k * steps_per_split
         steps = gl.minimum(steps_per_split, num_steps - step0)  # >= 1: the host's split
-        worker_args = (descs, bars, bufs, off_m, off_n, step0, steps, GROUP_STEPS)
         acc = gl.warp_specialize([
-            (_mma_partition, (bars, bufs, steps, BM, BN, num_warps)),
-            (_load_partition, worker_args),
-            (_decode_partition, worker_args),
-        ], [1, DECODE_WARPS], [24, DECODE_REGS])[0]  # fmt: skip
+            (_mma_partition, (bars, bufs, step0, steps, GROUP_STEPS, BITS, num_warps)),
+            (_load_partition, ((x_desc, w_desc, s_desc), bars, bufs, off_m, off_n, step0, steps,
+                               GROUP_STEPS)),
+        ], [1], [24])[0]  # fmt: skip
 
-        ACC: gl.constexpr = _acc_layout(BM, BN, num_warps)
-        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
-        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, ACC))
+        ACC: gl.constexpr = _acc_layout(BM, num_warps)
         if GROUP_STEPS == 0:
-            col_scales = gl.load(s_ptr + offs_n.to(gl.int64) * stride_sn, mask=offs_n < N,
+            offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+            row_scales = gl.load(s_ptr + offs_n.to(gl.int64) * stride_sn, mask=offs_n < N,
                                  other=0.0)
-            acc = acc * gl.expand_dims(col_scales.to(gl.float32), 0)
-        out_ptrs = (out_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_om, 1)
-                    + gl.expand_dims(offs_n, 0))
-        out_mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_n < N, 0)
+            acc = acc * gl.expand_dims(row_scales.to(gl.float32), 1)
+        # out [BM, BN] in rows of 8 consecutive outputs a thread: one 16- or 32-byte store (and
+        # one address) each, where the wgmma layout would need one per pair of outputs
+        OUT: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1],
+                                             [1, 0])
+        out = gl.convert_layout(gl.permute(acc, (1, 0)), OUT)
+        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, OUT))
+        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, OUT))
+        out_ptrs = (out_ptr + gl.expand_dims((off_m + rows).to(gl.int64) * stride_om, 1)
+                    + gl.expand_dims(off_n + cols, 0))
+        out_mask = gl.expand_dims(off_m + rows < M, 1) & gl.expand_dims(off_n + cols < N, 0)
         if num_splits == 1:
-            gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            gl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
-            tile = pid_n * gl.num_programs(0) + pid_m
-            local = (gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, ACC)) * BN, 1)
-                     + gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(0, ACC)), 0))
+            tile = pid_m * gl.num_programs(0) + pid_n
+            local = gl.expand_dims(rows * BN, 1) + gl.expand_dims(cols, 0)
             tile_parts = part_ptr + tile.to(gl.int64) * num_splits * (BM * BN)
-            gl.store(tile_parts + pid_k * (BM * BN) + local, acc)
+            gl.store(tile_parts + pid_k * (BM * BN) + local, out)
             _cta_barrier()  # every thread's partial stored before the arrival is counted
             arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
             if arrived == num_splits - 1:  # the tile's last program: add the splits in order
-                total = gl.zeros([BM, BN], gl.float32, ACC)
+                total = gl.zeros([BM, BN], gl.float32, OUT)
                 for part in range(num_splits):
                     total += gl.load(tile_parts + part * (BM * BN) + local, cache_modifier=".cg")
                 gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -385,10 +356,9 @@ def wint_wgmma_applies(x: torch.Tensor, scales: torch.Tensor, bits: int, group: 
 
 
 def wint_wgmma_tiles(m: int, n: int, bits: int) -> WgmmaTiles:
-    """x tiles of the next power of two >= M rows, 64 to 256 (each weight decoded once per x
-    tile), against 128 rows of W; one MMA warpgroup per 64 rows of x, at most two."""
-    block_m = min(256, max(64, 1 << (m - 1).bit_length()))
-    return WgmmaTiles(block_m, 128, num_warps=4 if block_m <= 64 else 8)
+    """x tiles of the next power of two >= M rows, 64 to 256 (the wgmma's N; each weight decoded
+    once per x tile), against 128 rows of W (two MMA warpgroups)."""
+    return WgmmaTiles(min(256, max(64, 1 << (m - 1).bit_length())), 128)
 
 
 def _split(tiles: WgmmaTiles, out_tiles: int, steps: int, device: torch.device) -> int:
@@ -399,11 +369,11 @@ def _split(tiles: WgmmaTiles, out_tiles: int, steps: int, device: torch.device) 
     return split
 
 
-def launch_maxnreg(num_warps: int, decode_warps: int) -> int:
-    """Registers a thread at launch: the MMA warps, the decoding warps and the loader's (a warp,
-    allocated as a warpgroup) share the SM's 64K; setmaxnreg then moves the workers' spare ones
-    to the MMA warps."""
-    return 65536 // (32 * (num_warps + decode_warps + 4)) // 8 * 8
+def launch_maxnreg(num_warps: int) -> int:
+    """Registers a thread at launch: the MMA warps and the loader's (a warp, allocated as a
+    warpgroup) share the SM's 64K; setmaxnreg then moves the loader's spare ones to the MMA
+    warps."""
+    return min(255, 65536 // (32 * (num_warps + 4))) // 8 * 8
 
 
 def _descriptor(t: torch.Tensor, block: list[int], el) -> TensorDescriptor:
@@ -440,12 +410,11 @@ def wint_wgmma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     # (unsplit: a placeholder, so that one compiled kernel serves every split)
     parts = torch.empty(x_tiles * row_tiles * tiles.block_m * tiles.block_n * split
                         if split > 1 else 1, device=x.device, dtype=torch.float32)
-    _wint_wgmma_kernel[(x_tiles, row_tiles, split)](
+    num_warps = tiles.block_n // 16
+    _wint_wgmma_kernel[(row_tiles, x_tiles, split)](
         x_desc, w_desc, s_desc, scales, out, parts, _arrival_counters(x.device),
         m, n, num_steps, steps_per_split, split, scales.stride(0), out.stride(0),
         BITS=bits, GROUP_STEPS=group // BLOCK_K if grouped else 0, STAGES=tiles.stages,
-        BUFFERS=tiles.buffers, DECODE_WARPS=tiles.decode_warps,
-        DECODE_REGS=DECODE_REGS[tiles.decode_warps], num_warps=tiles.num_warps,
-        maxnreg=launch_maxnreg(tiles.num_warps, tiles.decode_warps),
+        num_warps=num_warps, maxnreg=launch_maxnreg(num_warps),
     )  # fmt: skip
     return out
