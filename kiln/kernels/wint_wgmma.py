@@ -51,7 +51,6 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -254,7 +253,9 @@ if HAS_GLUON:
             # until the wgmma has read them, so they wait for it to start, not to finish)
             acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc,))  # step i - 1's has finished: free its stage
-            fence_async_shared()  # this thread's reads of the stage before its next TMA write
+            # (no proxy fence for the codes read from the stage before TMA overwrites them, as
+            # CUTLASS's TMA pipelines release such stages: a fence here also waits for the
+            # wgmma in flight, which serialized the decode and the MMA)
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
         return (warpgroup_mma_wait(0, deps=(acc,)),)  # (warp_specialize returns a tuple)
 
