@@ -68,7 +68,7 @@ def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
 
 def wgmma_candidates(m: int) -> list[wg.WgmmaTiles]:
     tiles = [wg.WgmmaTiles(128, 128, 4), wg.WgmmaTiles(128, 64, 6), wg.WgmmaTiles(256, 128, 4),
-             wg.WgmmaTiles(256, 128, 3), wg.WgmmaTiles(256, 64, 5)]
+             wg.WgmmaTiles(128, 256, 4), wg.WgmmaTiles(64, 256, 6), wg.WgmmaTiles(256, 64, 5)]
     return [t for t in tiles if t.block_m <= max(128, 1 << (m - 1).bit_length())]
 
 

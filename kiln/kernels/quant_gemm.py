@@ -41,6 +41,7 @@ from kiln.kernels._triton import (
     wait_for_inputs,
 )
 from kiln.kernels.activation import silu_and_mul, silu_mul
+from kiln.kernels.w4_gemv import w4_gemv, w4_gemv_applies
 from kiln.kernels.wint_mma import MmaTiles, wint_mma_applies, wint_mma_gemm
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -52,6 +53,12 @@ FUSED_MAX_M = {4: 64, 8: 64}
 SMALL_M = 16  # up to this many rows the word-streaming kernels (_wq_gemv_*) may run: decode
 GEMV_FMA_MAX_M = 4  # ... the CUDA-core one up to this many rows; see _gemv_config
 DENSE_GEMV_MAX_M = 1  # bf16 rows up to which dense_gemv replaces cuBLAS
+# batch-1 symmetric int4 g128 weights of at most this many codes (Llama-3.1-8B's qkv and o_proj,
+# not gate_up, down_proj or the head) go to kiln/kernels/w4_gemv.py, whose TMA ring decodes a
+# chunk while the next ones land: qkv 6.5 us against 7.0, o_proj 4.4 against 5.1 on an H100;
+# gate_up and down_proj were within a few percent of this file's GEMV, which keeps them (and the
+# silu epilogue of the merged gate_up) (benchmarks/results/h100/w4_gemv.txt)
+W4_GEMV_MAX_CODES = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -894,6 +901,11 @@ def wint_gemm_triton(
         if bias is not None:
             out += bias
         return silu_and_mul(out) if gated else out
+    if (config is None and m == 1 and bits == 4 and group == 128 and not gated and zeros is None
+            and perm is None and smooth is None and n * k <= W4_GEMV_MAX_CODES
+            and w4_gemv_applies(x, words, scales)):
+        out = w4_gemv(x, words, scales, out_dtype)
+        return out + bias if bias is not None else out
     gemv_ok = words is not None and (group >= k or group % (128 // bits) == 0)
     if config is None and m <= SMALL_M and gemv_ok:
         config = _gemv_config(m, n, k, bits)

@@ -73,7 +73,7 @@ GROUPS = (64, 128)  # group sizes a step lies inside (per channel: any K multipl
 @dataclass(frozen=True)
 class WgmmaTiles:
     block_m: int  # rows of x a program takes (the wgmma's N: 64 to 256)
-    block_n: int  # rows of W a program takes (64 per MMA warpgroup: 64 or 128)
+    block_n: int  # rows of W a program takes (64 per MMA warpgroup: 64 to 256)
     stages: int = 4  # TMA ring depth
     split: int = 0  # programs sharing a tile's K; 0: as many as _split picks
 
@@ -283,8 +283,8 @@ if HAS_GLUON:
         bars = (_barriers(STAGES), _barriers(STAGES))  # ready, empty
         bufs = (x_bufs, w_bufs, s_bufs)
 
-        pid_n = gl.program_id(0)  # x tiles on axis 1: programs sharing a W tile run together
-        pid_m = gl.program_id(1)
+        pid_m = gl.program_id(0)  # x tiles the fastest axis: programs sharing a W tile run
+        pid_n = gl.program_id(1)  # together, and read it from HBM once
         pid_k = gl.program_id(2)
         off_m = pid_m * BM
         off_n = pid_n * BN
@@ -315,7 +315,7 @@ if HAS_GLUON:
         if num_splits == 1:
             gl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
-            tile = pid_m * gl.num_programs(0) + pid_n
+            tile = pid_n * gl.num_programs(0) + pid_m
             local = gl.expand_dims(rows * BN, 1) + gl.expand_dims(cols, 0)
             tile_parts = part_ptr + tile.to(gl.int64) * num_splits * (BM * BN)
             gl.store(tile_parts + pid_k * (BM * BN) + local, out)
@@ -412,7 +412,7 @@ def wint_wgmma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     parts = torch.empty(x_tiles * row_tiles * tiles.block_m * tiles.block_n * split
                         if split > 1 else 1, device=x.device, dtype=torch.float32)
     num_warps = tiles.block_n // 16
-    _wint_wgmma_kernel[(row_tiles, x_tiles, split)](
+    _wint_wgmma_kernel[(x_tiles, row_tiles, split)](
         x_desc, w_desc, s_desc, scales, out, parts, _arrival_counters(x.device),
         m, n, num_steps, steps_per_split, split, scales.stride(0), out.stride(0),
         BITS=bits, GROUP_STEPS=group // BLOCK_K if grouped else 0, STAGES=tiles.stages,
