@@ -56,6 +56,10 @@ SWEEP = [
     C(chunk_kw=256, stages=2),  # warps split K: 2 x 2 warps
     C(stages=2),  # a ring: chunks 2 and 3 wait for a free buffer
     C(block_n=32),  # 8 rows a thread: x-table loads over more rows
+    C(block_n=32, num_warps=8, stages=2),  # o_proj's pick with half its shared memory
+    C(block_n=32, num_warps=8, stages=3),
+    C(block_n=64, num_warps=8),
+    C(stages=3),
 ]
 # ... and at down_proj's K = 14336 (1792 words a row: 14 chunks of 128)
 SWEEP_LONG_K = [
@@ -87,9 +91,9 @@ def label(cfg: C) -> str:
             f"{f' split{cfg.split_k}' if cfg.split_k > 1 else ''}")
 
 
-def candidates(k: int) -> list[C]:
-    """The sweep at this K: those that fit in shared memory, the default first."""
-    out = [w4.w4_gemv_config(4096, k)]
+def candidates(n: int, k: int) -> list[C]:
+    """The sweep at this shape: those that fit in shared memory, the default first."""
+    out = [w4.w4_gemv_config(n, k)]
     for cfg in SWEEP if k <= 4096 else SWEEP_LONG_K:
         if w4.plan(cfg, k).smem_bytes <= w4.SMEM_BUDGET and cfg not in out:
             out.append(cfg)
@@ -277,7 +281,7 @@ def main() -> None:
         if args.default_only:
             pairs = list(dict.fromkeys((w4.w4_gemv_config(n, k), k) for n, k, _ in SHAPES))
         else:
-            pairs = [(c, k) for k in sorted({k for _, k, _ in SHAPES}) for c in candidates(k)]
+            pairs = list(dict.fromkeys((c, k) for n, k, _ in SHAPES for c in candidates(n, k)))
         report["compile"] = compile_report(pairs)
     else:
         if not torch.cuda.is_available():
@@ -288,7 +292,7 @@ def main() -> None:
                       checks=[], timings=[])
         start = time.time()
         for n, k, name in SHAPES + [(1000, 4096, "odd-N")]:
-            configs = [] if args.no_sweep else candidates(k)
+            configs = [] if args.no_sweep else candidates(n, k)
             try:
                 check(report["checks"], n, k, name, configs)
                 if name != "odd-N":
