@@ -9,7 +9,8 @@ against the library GEMV and bf16 cuBLAS, and sweep its tiles; JSON out, tables 
    float64 math on fresh random codes and scales, M = 1 and 2 (and N = 1000), every shape;
 2. timings at M = 1, each op in a CUDA graph over rotating weight copies (gpu_quant.py's
    time_graph_us / rotating: enough copies to defeat the 50 MB L2, PDL on as in the engine):
-   bf16 cuBLAS, the library int4 GEMV (quant_gemm.wint_gemm_triton), w4_gemv at its default
+   bf16 cuBLAS, quant_gemm's CUDA-core int4 GEMV (forced: quant_gemm sends qkv and o_proj
+   here), w4_gemv at its default
    tiles, the same kernel without its decode ("w4_gemv load-only": the floor of its structure,
    TMA ring + tables, wrong results), then the sweep candidates (the default again first: the
    two default rows show the run-to-run spread); the best per shape is named.
@@ -148,8 +149,9 @@ def time_shape(results: list, n: int, k: int, name: str, configs: list[C]) -> No
     w4_bytes = words.numel() * 4 + scales.numel() * 2
     default = w4.w4_gemv_config(n, k)
     ops = [("bf16 cublas", (dense,), lambda a: lambda: torch.matmul(x, a[0].t()), 2 * n * k),
-           ("library int4 GEMV", (words, scales),
-            lambda a: lambda: qg.wint_gemm_triton(x, a[0], a[1], None, 4, 128), w4_bytes),
+           ("library int4 GEMV", (words, scales),  # quant_gemm's own, at its batch-1 tiles
+            lambda a: lambda: qg.wint_gemm_triton(x, a[0], a[1], None, 4, 128,
+                                                  config=qg._gemv_config(1, n, k, 4)), w4_bytes),
            (f"w4_gemv default ({label(default)})", (words, scales),
             lambda a: lambda: w4.w4_gemv(x, a[0], a[1]), w4_bytes),
            (f"w4_gemv load-only ({label(default)}; no decode)", (words, scales),
