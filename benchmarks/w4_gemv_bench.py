@@ -61,6 +61,10 @@ SWEEP = [
     C(block_n=32, num_warps=8, stages=3),
     C(block_n=64, num_warps=8),
     C(stages=3),
+    C(block_n=32, chunk_kw=64, stages=8, num_warps=8),  # o_proj: half the tail decode
+    C(block_n=32, chunk_kw=64, stages=4, num_warps=8),
+    C(block_n=32, chunk_kw=64, stages=6, num_warps=8),
+    C(block_n=32, num_warps=8, stages=5),
 ]
 # ... and at down_proj's K = 14336 (1792 words a row: 14 chunks of 128)
 SWEEP_LONG_K = [
@@ -272,6 +276,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="JSON report path (default: none written)")
     parser.add_argument("--no-sweep", action="store_true", help="default tiles only")
+    parser.add_argument("--shapes", default=",".join(name for _, _, name in SHAPES),
+                        help="comma-separated subset of the shapes (and odd-N's check)")
     parser.add_argument("--compile-only", action="store_true",
                         help="no GPU: compile every candidate for sm_90 and report")
     parser.add_argument("--default-only", action="store_true",
@@ -293,7 +299,8 @@ def main() -> None:
         report.update(device=torch.cuda.get_device_name(), triton=triton.__version__,
                       checks=[], timings=[])
         start = time.time()
-        for n, k, name in SHAPES + [(1000, 4096, "odd-N")]:
+        wanted = args.shapes.split(",")
+        for n, k, name in [s for s in SHAPES if s[2] in wanted] + [(1000, 4096, "odd-N")]:
             configs = [] if args.no_sweep else candidates(n, k)
             try:
                 check(report["checks"], n, k, name, configs)
