@@ -64,7 +64,6 @@ SWEEP = [
     C(block_n=32, chunk_kw=64, stages=8, num_warps=8),  # o_proj: half the tail decode
     C(block_n=32, chunk_kw=64, stages=4, num_warps=8),
     C(block_n=32, chunk_kw=64, stages=6, num_warps=8),
-    C(block_n=32, num_warps=8, stages=5),
 ]
 # ... and at down_proj's K = 14336 (1792 words a row: 14 chunks of 128)
 SWEEP_LONG_K = [
