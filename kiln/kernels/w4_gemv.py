@@ -396,15 +396,14 @@ def _constexprs(cfg: W4GemvConfig, k: int, steps: int, split: int, use_pdl: bool
 
 
 def w4_gemv_config(n: int, k: int) -> W4GemvConfig:
-    """From the H100 sweep (benchmarks/results/h100/w4_gemv.txt, benchmarks/w4_gemv_bench.py):
-    at N = 4096 (o_proj) 32 rows in 8 warps, 4 stages (4.40 us against 4.67 for 16 rows in 4);
-    wider, 16 rows in 4 warps and 3 stages (qkv 6.33 us against 6.52 with 2 and 7.30 with 4:
-    less shared memory, more programs an SM). K split in two where one program's tables would
-    leave room for fewer than two programs an SM (down_proj's K; quant_gemm keeps that
-    shape)."""
-    cfg = W4GemvConfig(32, 128, 4, 8) if n <= 4096 else W4GemvConfig(16, 128, 3, 4)
+    """From the H100 sweeps (benchmarks/results/h100/w4_gemv.txt): 16 rows and 128-word chunks
+    in 4 warps through 3 stages, at qkv 6.34 us (72.5% of copy; 7.28 with 4 stages, every chunk
+    of K = 4096 in flight, but fewer programs an SM) and o_proj 4.13 us (74.1%; 4.41 for the
+    next best, 32 rows in 8 warps). K split in two where one program's tables would leave room
+    for fewer than two programs an SM (down_proj's K; quant_gemm keeps that shape)."""
+    cfg = W4GemvConfig(16, 128, 3, 4)
     if plan(cfg, k).smem_bytes > SMEM_BUDGET // 2:
-        cfg = W4GemvConfig(cfg.block_n, cfg.chunk_kw, cfg.stages, cfg.num_warps, split_k=2)
+        cfg = W4GemvConfig(16, 128, 3, 4, split_k=2)
     return cfg
 
 
