@@ -5,8 +5,6 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
 
     python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
         [--stages 3] [--k-step 128] [--per-channel] [--split 2]
-    python3 benchmarks/sm90_compile.py wint_wgmma --bits 4 --block-n 128 --block-m 256
-        [--stages 4] [--per-channel]   (the Gluon kernel; group 128; block-n / 16 warps)
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8]
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
     ... [--unspecialized M,stride_om]
@@ -36,7 +34,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kiln.kernels import gemm, wint_mma, wint_wgmma  # noqa: E402
+from kiln.kernels import gemm, wint_mma  # noqa: E402
 
 
 def wint_mma_variant(a: argparse.Namespace) -> tuple:
@@ -47,28 +45,6 @@ def wint_mma_variant(a: argparse.Namespace) -> tuple:
                   HAS_SMOOTH=False, SPLIT=a.split, ASM=True, BLOCK_N=a.block_n,
                   BLOCK_M=a.block_m, USE_PDL=False)
     return wint_mma._wint_mma_kernel, sig, consts
-
-
-def wint_wgmma_variant(a: argparse.Namespace) -> tuple:
-    """_wint_wgmma_kernel's signature (TMA descriptors of bf16 x, int32 words and, group-wise,
-    bf16 scales) and constants (group 128 unless --per-channel; --block-n / 16 warps)."""
-    from triton.experimental.gluon import language as gl
-
-    block_k = wint_wgmma.BLOCK_K
-    blocks = dict(x_desc=([a.block_m, block_k], gl.bfloat16),
-                  w_desc=([a.block_n, block_k * a.bits // 32], gl.int32),
-                  s_desc=([a.block_n, 8], gl.bfloat16))
-    if a.per_channel:  # the kernel takes w_desc's again
-        blocks["s_desc"] = blocks["w_desc"]
-    short = {gl.bfloat16: "bf16", gl.int32: "i32"}
-    sig = {name: f"tensordesc<{short[el]}{block},"
-                 f"{gl.NVMMASharedLayout.get_default_for(block, el)!r}>"
-           for name, (block, el) in blocks.items()}
-    sig.update({"s_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"})
-    a.warps = a.block_n // 16
-    consts = dict(BITS=a.bits, GROUP_STEPS=0 if a.per_channel else 128 // block_k,
-                  STAGES=a.stages, num_warps=a.warps)
-    return wint_wgmma._wint_wgmma_kernel, sig, consts
 
 
 def gemm_variant(a: argparse.Namespace) -> tuple:
@@ -98,15 +74,15 @@ def k_loop(sass: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["wint_mma", "wint_wgmma", "gemm"])
+    parser.add_argument("kernel", choices=["wint_mma", "gemm"])
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--block-m", type=int, default=None,
                         help="x rows a tile (wint_mma: 256; gemm: 64)")
     parser.add_argument("--block-k", type=int, default=128)
     parser.add_argument("--k-step", type=int, default=128)
-    parser.add_argument("--warps", type=int, default=None, help="else 4 (wint_wgmma: block-n/16)")
-    parser.add_argument("--stages", type=int, default=None, help="wint_wgmma: 4; else 3")
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
     for flag in ("per-channel", "fp8"):
         parser.add_argument(f"--{flag}", action="store_true")
@@ -114,12 +90,8 @@ def main() -> None:
     parser.add_argument("--unspecialized", default="M",
                         help="comma-separated integer arguments compiled as not divisible by 16")
     a = parser.parse_args()
-    a.block_m = a.block_m or (64 if a.kernel == "gemm" else 256)
-    gluon = a.kernel == "wint_wgmma"
-    a.warps = a.warps or (8 if gluon else 4)
-    a.stages = a.stages or (4 if gluon else 3)
-    variants = dict(wint_mma=wint_mma_variant, wint_wgmma=wint_wgmma_variant, gemm=gemm_variant)
-    fn, sig, consts = variants[a.kernel](a)
+    a.block_m = a.block_m or (256 if a.kernel == "wint_mma" else 64)
+    fn, sig, consts = (wint_mma_variant if a.kernel == "wint_mma" else gemm_variant)(a)
     for name in fn.arg_names:  # the remaining arguments: int32 scalars
         if name not in sig and name not in consts:
             sig[name] = "i32"
@@ -131,15 +103,10 @@ def main() -> None:
                      f"{fn.__name__}")
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t == "i32" and n not in unspecialized or t.startswith("*")}
-    source = ASTSource
-    if gluon:  # a Gluon kernel: the layouts are its own
-        from triton.experimental.gluon._runtime import GluonASTSource as source
-    src = source(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                 attrs=attrs)
-    options = dict(num_warps=a.warps, num_stages=a.stages)
-    if gluon:  # as wint_wgmma_gemm launches it
-        options["maxnreg"] = wint_wgmma.launch_maxnreg(a.warps)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                            options=dict(num_warps=a.warps, num_stages=a.stages))
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")

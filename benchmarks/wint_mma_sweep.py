@@ -1,9 +1,8 @@
-"""Sweep the tiles and K splits of the tensor-core weight-only GEMMs (kiln/kernels/wint_mma.py,
-and with --wgmma the Gluon kernel for large batches, kiln/kernels/wint_wgmma.py) at the
-Llama-3.1-8B layer shapes, next to bf16 cuBLAS; JSON out, one line a (layer, bits, M).
+"""Sweep the tiles and K splits of the tensor-core weight-only GEMM (kiln/kernels/wint_mma.py) at
+the Llama-3.1-8B layer shapes, next to bf16 cuBLAS; JSON out, one line a (layer, bits, M).
 
     PYTHONPATH=. python3 benchmarks/wint_mma_sweep.py --out F [--ms 16,32,64,128,256,512,1024]
-        [--default-only] [--wgmma] [--shapes qkv,o,gate_up,down]
+        [--default-only]
 
 Whichever kiln is first on the path is swept, so two trees compare on one machine (an older
 tree's kiln first on PYTHONPATH, with --default-only: its wint_mma_tiles picks). Weights are
@@ -15,15 +14,12 @@ HBM, not the 50 MB L2). Candidates: 64 or 128 rows of W against x tiles of the n
 two >= M rows (at most MMA_X_TILE_MAX) or half that, 4 or 8 warps, 3 or 4 stages; each at the
 split _split picks ("*" in its key), half and twice it. Each row also times what the library
 runs at that M (quant_gemm.wint_linear_triton: dequantize + cuBLAS past MMA_MAX_M) and
-dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against. With --wgmma the
-candidates are wint_wgmma's instead ("wg" keys: rows of x x rows of W, ring stages, split), at
-the split wint_wgmma._split picks and twice it, and its default tiles ("wg_default_us").
+dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -34,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_quant import rel_err, rotating, time_graph_us  # noqa: E402
 
 from kiln.kernels import wint_mma as wm  # noqa: E402
-from kiln.kernels import wint_wgmma as wg  # noqa: E402
 from kiln.kernels.quant_gemm import (  # noqa: E402
     wint_dequant_ref,
     wint_dequant_triton,
@@ -66,14 +61,8 @@ def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
     return sorted(tiles, key=str)
 
 
-def wgmma_candidates(m: int) -> list[wg.WgmmaTiles]:
-    tiles = [wg.WgmmaTiles(128, 128, 4), wg.WgmmaTiles(128, 64, 6), wg.WgmmaTiles(256, 128, 4),
-             wg.WgmmaTiles(128, 256, 4), wg.WgmmaTiles(64, 256, 6), wg.WgmmaTiles(256, 64, 5)]
-    return [t for t in tiles if t.block_m <= max(128, 1 << (m - 1).bit_length())]
-
-
 def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generator,
-              dense: torch.Tensor, default_only: bool, wgmma: bool) -> dict:
+              dense: torch.Tensor, default_only: bool) -> dict:
     words, scales = make_weight(n, k, bits, group, gen)
     g = group or k
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -103,19 +92,6 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
                    x, packed(a[0]), a[1], None, bits, g)),
                dequant_us=checked(lambda a: lambda: x @ wint_dequant_triton(
                    packed(a[0]), a[1], None, bits, g, x.dtype).t()))
-    if wgmma:
-        def timed_wg(tiles: wg.WgmmaTiles | None) -> float | str:
-            return checked(lambda a: lambda: wg.wint_wgmma_gemm(x, a[0], a[1], bits, g,
-                                                                tiles=tiles))
-        row["wg_default"] = str(wg.wint_wgmma_tiles(m, n, bits))
-        row["wg_default_us"] = timed_wg(None)
-        for t in ([] if default_only else wgmma_candidates(m)):
-            out_tiles = -(-m // t.block_m) * -(-n // t.block_n)
-            rule = wg._split(t, out_tiles, k // wg.BLOCK_K, x.device)
-            for split in (rule, rule * 2):
-                key = f"wg{t.block_m}x{t.block_n}s{t.stages}k{split}{'*' if split == rule else ''}"
-                row[key] = timed_wg(dataclasses.replace(t, split=split))
-        return row
     if default_only:
         return row
     k_step = g if g < k else wm._per_channel_step(k)
@@ -135,19 +111,16 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--ms", default="16,32,64,128,256,512,1024")
     parser.add_argument("--default-only", action="store_true",
-                        help="time the default tiles only (and bf16)")
-    parser.add_argument("--wgmma", action="store_true", help="sweep wint_wgmma's tiles instead")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+                        help="time wint_mma_tiles' picks only (and bf16)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name in args.shapes.split(","):
-        n, k = SHAPES[name]
+    for name, (n, k) in SHAPES.items():
         dense = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
         for bits, group in FORMATS:
             for m in (int(v) for v in args.ms.split(",")):
                 row = dict(shape=name, **sweep_one(n, k, bits, group, m, gen, dense,
-                                                   args.default_only, args.wgmma))
+                                                   args.default_only))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 with open(args.out, "w") as f:  # after every row: a cut-short run keeps its data
