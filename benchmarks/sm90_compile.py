@@ -57,6 +57,22 @@ def gemm_variant(a: argparse.Namespace) -> tuple:
     return gemm._gemm_kernel, sig, consts
 
 
+def machine_code(kernel) -> tuple[int, int, str]:
+    """A compiled kernel's registers a thread, spill stack bytes and SASS (Triton's own cuobjdump
+    and nvdisasm read its cubin)."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    return (int(re.search(r"REG:(\d+)", usage).group(1)),
+            int(re.search(r"STACK:(\d+)", usage).group(1)), sass)
+
+
 def k_loop(sass: str) -> list[str]:
     """The instructions of the innermost loop with wgmmas (a label, then a branch back to it)."""
     lines = sass.splitlines()
@@ -107,20 +123,11 @@ def main() -> None:
                     attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                             options=dict(num_warps=a.warps, num_stages=a.stages))
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin],
-                              capture_output=True, text=True, check=True).stdout
+    registers, spill_bytes, sass = machine_code(kernel)
     loop = Counter(k_loop(sass))
     report = dict(kernel=a.kernel, triton=triton.__version__,
                   options={k: v for k, v in vars(a).items() if k not in ("kernel", "dump")},
-                  registers=int(re.search(r"REG:(\d+)", usage).group(1)),
-                  spill_stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                  registers=registers, spill_stack_bytes=spill_bytes,
                   shared_bytes=kernel.metadata.shared, k_loop_instructions=sum(loop.values()),
                   k_loop_loads={op: n for op, n in loop.items()
                                 if op in ("LDG", "LDGSTS", "UTMALDG", "LDS", "LDL")},

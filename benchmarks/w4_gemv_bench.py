@@ -28,9 +28,7 @@ import datetime
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
@@ -104,14 +102,9 @@ def candidates(n: int, k: int) -> list[C]:
     return out
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm()).item()
-
-
 def check(results: list, n: int, k: int, name: str, configs: list[C]) -> None:
+    from gpu_quant import rel_err
+
     from kiln.kernels.quant_gemm import wint_linear_ref
 
     words, scales, codes = make_weight(n, k, seed=n + k)
@@ -210,23 +203,15 @@ def _sass_counts(sass: str, cfg: C, k: int) -> dict:
 def compile_report(configs: list[tuple[C, int]]) -> list[dict]:
     """sm_90 compile of each (config, K): registers, spills, shared memory, instructions."""
     import triton
+    from sm90_compile import machine_code
 
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows = []
     for cfg, k in configs:
         row = dict(config=repr(cfg), k=k, triton=triton.__version__)
         try:
             kernel = w4.compile_sm90(cfg, k)
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "k.cubin")
-                with open(path, "wb") as f:
-                    f.write(kernel.asm["cubin"])
-                usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path],
-                                       capture_output=True, text=True, check=True).stdout
-                sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", path],
-                                      capture_output=True, text=True, check=True).stdout
-            row.update(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
-                       spill_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
+            registers, spill_bytes, sass = machine_code(kernel)
+            row.update(registers=registers, spill_bytes=spill_bytes,
                        shared=kernel.metadata.shared, shared_estimate=w4.plan(cfg, k).smem_bytes,
                        tma="cp.async.bulk.tensor" in kernel.asm["ptx"],
                        **_sass_counts(sass, cfg, k))
