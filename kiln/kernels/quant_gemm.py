@@ -55,9 +55,10 @@ GEMV_FMA_MAX_M = 4  # ... the CUDA-core one up to this many rows; see _gemv_conf
 DENSE_GEMV_MAX_M = 1  # bf16 rows up to which dense_gemv replaces cuBLAS
 # batch-1 symmetric int4 g128 weights of at most this many codes (Llama-3.1-8B's qkv and o_proj,
 # not gate_up, down_proj or the head) go to kiln/kernels/w4_gemv.py, whose TMA ring decodes a
-# chunk while the next ones land: qkv 6.3 us against 7.0, o_proj 4.1 against 5.0 on an H100;
-# gate_up and down_proj were within a few percent of this file's GEMV, which keeps them (and the
-# silu epilogue of the merged gate_up) (benchmarks/results/h100/w4_gemv.txt)
+# chunk while the next ones land: qkv 6.3 us against 7.0, o_proj 4.1 against 5.1 on an H100.
+# This file's GEMV keeps the merged gate_up (w4_gemv 6% faster alone, but the gated form here
+# has silu in its epilogue), down_proj (its best w4_gemv tiles only matched this GEMV) and the
+# head (benchmarks/results/h100/w4_gemv.txt)
 W4_GEMV_MAX_CODES = 1 << 25
 
 
