@@ -13,10 +13,11 @@ A program owns ``block_n`` rows and ``num_steps * chunk_kw`` words of each (all 
 K is split). Its weights arrive by TMA in [block_n, chunk_kw] chunks, each completing an
 mbarrier, and are decoded chunk by chunk as they land, so the decode of chunk i runs while
 chunks i + 1.. are still in flight. Where a program's chunks fit in ``stages`` buffers (K = 4096
-at the default tiles: 4 chunks, 32 KB) every chunk has its own buffer and all are requested at
-the start, before anything else (before the PDL wait too: weights never depend on the previous
-kernel); else the buffers form a ring, chunk i + stages requested as soon as every warp has
-chunk i's words in registers. (quant_gemm's GEMV loads a whole tile into registers, then
+at 4 stages: 4 chunks, 32 KB) every chunk has its own buffer and all are requested at the
+start, before anything else (before the PDL wait too: weights never depend on the previous
+kernel); else the buffers form a ring (the default tiles' 3 stages at K = 4096: less shared
+memory, more programs an SM), chunk i + stages requested as soon as every warp has chunk i's
+words in registers. (quant_gemm's GEMV loads a whole tile into registers, then
 decodes it: its decode ran after the words landed, benchmarks/results/h100/quant_shift3.txt.)
 
 Decode (the FMA trick of quant_gemm._int4_code, with two shifts a word instead of three): code j
