@@ -1,0 +1,329 @@
+"""The decode-batch GEMM on Hopper (sm_90), Gluon: weights streamed by TMA into wgmma, the
+(tile, K step) work split evenly over one program per SM (stream-K).
+
+    y[m, n] = sum_k x[m, k] w[n, k] (+ b[n])        x: [M, K], w: [N, K], 16-bit, M <= 64
+    gated (w a merged [gate; up] projection): y[m, j] = silu(gate) * up, as gemm.py's epilogue
+
+At a few dozen rows a GEMM is bound by streaming the weights, and gemm.py's Triton kernel falls
+short of it in two ways (benchmarks/results/h100/gemm_sweep.txt): each program re-reads the
+activation block [M, K] through L2 for every BLOCK_N weight rows, so its narrow tiles (32-64
+rows, for enough programs on N = 4096) move 1-2 bytes of activations per weight byte and the L2
+saturates (o_proj at 2.3 TB/s); and its tiles fill the SMs unevenly (qkv: 96 tiles on 132 SMs).
+
+Here the product is computed transposed (swap-AB): y^T tile [BLOCK_N, BM] = W tile [BLOCK_N, BK]
+(wgmma's A, from shared memory) @ x^T [BK, BM] (B: x's [BM, BK] tile, a transposed view), BM =
+16, 32 or 64 rows of x, so a 128-row weight tile moves at most half a byte of activations per
+weight byte. The work is the list of (output tile, K step) units, tile-major; program p of P
+(P = SMs) takes units [p U / P, (p + 1) U / P), so every SM streams the same number of weight
+bytes whatever N is. Its units pass through one TMA ring (STAGES deep, one mbarrier a stage)
+without a break at tile boundaries: the next tile's first steps are in flight while the last
+ones of the current tile are multiplied.
+
+A tile whose K steps one program covers is stored from its accumulator. A tile shared by
+programs (at most the first and last tile of a program's range) is finished by the last of them
+to arrive: each stores its float32 partial (slot 0: its range's first tile, 1: its last), counts
+its arrival in the tile's counter (kiln.kernels._triton.arrival_counters), and the last sums the
+partials of the tile's programs in program order and resets the counter. The split depends on
+N, K and the SM count only, never on M or timing: the same bits for a row at any batch size, on
+every run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.kernels._gluon import (
+    HAS_GLUON,
+    GluonTensorDescriptor,
+    compile_sm90,
+    constexpr_function,
+    cta_barrier,
+    gdc,
+    mbarrier,
+    tma_load,
+    ttgl,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from kiln.kernels._gluon import jit as _jit
+from kiln.kernels._triton import COUNTER_CAPACITY, arrival_counters, num_sms, pdl, use_triton
+from kiln.kernels.activation import silu_mul
+
+MAX_M = 64  # rows of x this kernel takes (wgmma's N: one x tile)
+SMEM_BUDGET = 227 * 1024  # shared memory an H100 block may use
+_GL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class Sm90Tiles:
+    """block_n weight rows an output tile (wgmma's M: 64 per warpgroup step; a gated tile takes
+    block_n / 2 gate and block_n / 2 up rows), block_k K a step (128 bytes of a row: TMA's
+    widest swizzle), stages TMA ring depth, num_warps 4 (one warpgroup) or 8."""
+
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 6
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.block_n not in (64, 128, 256) or self.block_n < 16 * self.num_warps:
+            raise ValueError(f"block_n={self.block_n}: 64, 128 or 256, at least 16 rows a warp "
+                             f"({self.num_warps} warps)")
+        if self.block_k not in (32, 64):
+            raise ValueError(f"block_k={self.block_k}: 32 or 64 (16-bit rows of 64 or 128 bytes)")
+        if self.num_warps not in (4, 8) or self.stages < 2:
+            raise ValueError(f"num_warps={self.num_warps}, stages={self.stages}: 4 or 8 warps, "
+                             f"at least 2 stages")
+
+    def smem_bytes(self, block_m: int) -> int:
+        """Ring (weights + x, 16-bit) + the epilogue's float32 tile + mbarriers."""
+        return (self.stages * (self.block_n + block_m) * self.block_k * 2
+                + self.block_n * block_m * 4 + 8 * self.stages)
+
+
+def block_m_for(m: int) -> int:
+    """x rows a tile: 16, 32 or 64 (wgmma N; fewer rows are TMA's zero fill)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+@constexpr_function
+def _acc_layout(block_m, num_warps):
+    """wgmma's accumulator [BN, BM]: warps along the weight rows, one instruction as wide as x's
+    tile."""
+    return ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                       instr_shape=[16, block_m, 16])
+
+
+if HAS_GLUON:
+
+    @_jit
+    def _issue(w_desc, x_desc, w_bufs, x_bufs, bars, unit, i, k_steps, half_n,
+               GATED: ttgl.constexpr, STAGES: ttgl.constexpr, pred):
+        """TMA copies of work unit ``unit`` (tile unit // k_steps, K step unit % k_steps) into
+        ring stage i % STAGES; gated: gate rows into the tile's first half, up rows (half_n
+        further) into its second."""
+        stage = i % STAGES
+        bar = bars.index(stage)
+        BN_LOAD: ttgl.constexpr = w_desc.block_type.shape[0]
+        BK: ttgl.constexpr = w_desc.block_type.shape[1]
+        W_BYTES: ttgl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
+        mbarrier.expect(bar, W_BYTES + x_desc.block_type.nbytes, pred=pred)
+        row = (unit // k_steps) * BN_LOAD
+        k = (unit % k_steps) * BK
+        w_buf = w_bufs.index(stage)
+        if GATED:
+            tma_load(w_desc, [row, k], bar, w_buf.slice(0, BN_LOAD), pred)
+            tma_load(w_desc, [half_n + row, k], bar, w_buf.slice(BN_LOAD, BN_LOAD), pred)
+        else:
+            tma_load(w_desc, [row, k], bar, w_buf, pred)
+        tma_load(x_desc, [0, k], bar, x_bufs.index(stage), pred)
+
+    @_jit
+    def _store_tile(acc, epi, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: ttgl.constexpr,
+                    GATED: ttgl.constexpr):
+        """acc [BN, BM] float32 (y^T of output tile ``tile``) -> y [M, N or N / 2], through the
+        shared tile ``epi`` so that a thread holds consecutive columns of y (and, gated, a gate
+        row and its up row)."""
+        BN: ttgl.constexpr = acc.shape[0]
+        BM: ttgl.constexpr = acc.shape[1]
+        BN_OUT: ttgl.constexpr = BN // 2 if GATED else BN
+        OUT: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, ttgl.num_warps()], [0, 1])
+        cta_barrier()  # every thread done reading the previous tile from epi
+        epi.store(acc)
+        cta_barrier()
+        cols = tile * BN_OUT + ttgl.arange(0, BN_OUT, layout=ttgl.SliceLayout(1, OUT))
+        rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, OUT))
+        dt: ttgl.constexpr = y_ptr.dtype.element_ty
+        if GATED:
+            gate = epi.slice(0, BN_OUT).load(OUT)
+            up = epi.slice(BN_OUT, BN_OUT).load(OUT)
+            n_valid = N // 2
+            if HAS_BIAS:
+                gate += ttgl.load(bias_ptr + cols, mask=cols < n_valid, other=0.0).to(
+                    ttgl.float32)[:, None]
+                up += ttgl.load(bias_ptr + n_valid + cols, mask=cols < n_valid, other=0.0).to(
+                    ttgl.float32)[:, None]
+            y = silu_mul(gate, up, dt)
+        else:
+            y = epi.load(OUT)
+            n_valid = N
+            if HAS_BIAS:
+                y += ttgl.load(bias_ptr + cols, mask=cols < n_valid, other=0.0).to(
+                    ttgl.float32)[:, None]
+        ptrs = y_ptr + rows[None, :].to(ttgl.int64) * stride_ym + cols[:, None]
+        ttgl.store(ptrs, y.to(dt), mask=(cols < n_valid)[:, None] & (rows < M)[None, :])
+
+    @_jit
+    def _finish_tile(acc, epi, seg_lo, unit, lo, pid, num_programs, num_units, k_steps,
+                     part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym,
+                     HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr):
+        """The program's units [seg_lo, unit] of one tile are in acc: store the tile if they are
+        all of its K steps, else add the partial to the tile's and finish it if last."""
+        BN: ttgl.constexpr = acc.shape[0]
+        BM: ttgl.constexpr = acc.shape[1]
+        tile = unit // k_steps
+        tile_lo = tile * k_steps
+        if (seg_lo == tile_lo) & (unit + 1 == tile_lo + k_steps):
+            _store_tile(acc, epi, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
+        else:
+            ACC: ttgl.constexpr = acc.type.layout
+            local = (ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))[:, None] * BM
+                     + ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))[None, :])
+            slot = (seg_lo != lo).to(ttgl.int32)  # 0: the range's first tile, 1: its last
+            ttgl.store(part_ptr + (pid * 2 + slot).to(ttgl.int64) * (BN * BM) + local, acc)
+            cta_barrier()  # every thread's partial stored before the arrival is counted
+            # the tile's programs: those holding its first and its last unit
+            first = ((tile_lo + 1) * num_programs - 1) // num_units
+            last = ((tile_lo + k_steps) * num_programs - 1) // num_units
+            arrived = ttgl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+            if arrived == last - first:
+                total = ttgl.zeros([BN, BM], ttgl.float32, ACC)
+                for q in range(first, last + 1):
+                    q_slot = ((q * num_units) // num_programs < tile_lo).to(ttgl.int32)
+                    total += ttgl.load(part_ptr + (q * 2 + q_slot).to(ttgl.int64) * (BN * BM)
+                                       + local, cache_modifier=".cg")
+                _store_tile(total, epi, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS,
+                            GATED)
+                ttgl.atomic_xchg(count_ptr + tile, 0)
+
+    # the batch size changes every step and the unit counts with the layer: one compile serves
+    @_jit(do_not_specialize=["M", "N", "num_tiles", "k_steps"])
+    def _gemm_sm90_kernel(
+        w_desc, x_desc, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, num_tiles, k_steps,
+        stride_ym, HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr, STAGES: ttgl.constexpr,
+        USE_PDL: ttgl.constexpr,
+    ):  # fmt: skip
+        """Program p's units [p U / P, (p + 1) U / P) of the U = num_tiles x k_steps units."""
+        BN_LOAD: ttgl.constexpr = w_desc.block_type.shape[0]
+        BN: ttgl.constexpr = BN_LOAD * 2 if GATED else BN_LOAD
+        BK: ttgl.constexpr = w_desc.block_type.shape[1]
+        BM: ttgl.constexpr = x_desc.block_type.shape[0]
+        dt: ttgl.constexpr = w_desc.dtype
+        ACC: ttgl.constexpr = _acc_layout(BM, ttgl.num_warps())
+
+        w_bufs = ttgl.allocate_shared_memory(dt, [STAGES, BN, BK], w_desc.layout)
+        x_bufs = ttgl.allocate_shared_memory(dt, [STAGES, BM, BK], x_desc.layout)
+        epi = ttgl.allocate_shared_memory(ttgl.float32, [BN, BM],
+                                          ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        bars = ttgl.allocate_shared_memory(ttgl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in ttgl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+
+        pid = ttgl.program_id(0)
+        num_programs = ttgl.num_programs(0)
+        num_units = num_tiles * k_steps
+        lo = pid * num_units // num_programs
+        count = (pid + 1) * num_units // num_programs - lo  # >= 1: the host's P <= U
+        half_n = N // 2
+        if USE_PDL:  # x is the previous kernel's output; the counters are shared with it
+            gdc(True)
+            gdc(False)
+        for j in ttgl.static_range(STAGES - 1):
+            _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + j, j, k_steps, half_n, GATED,
+                   STAGES, j < count)
+        acc = ttgl.zeros([BN, BM], ttgl.float32, ACC)
+        seg_lo = lo
+        for i in range(count):
+            unit = lo + i
+            stage = i % STAGES
+            mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+            acc = warpgroup_mma(w_bufs.index(stage), x_bufs.index(stage).permute((1, 0)), acc,
+                                is_async=True)
+            # step i - 1's wgmma is done: its stage takes unit i + STAGES - 1
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            ahead = i + STAGES - 1
+            _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + ahead, ahead, k_steps, half_n,
+                   GATED, STAGES, ahead < count)
+            if ((unit + 1) % k_steps == 0) | (i + 1 == count):
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                _finish_tile(acc, epi, seg_lo, unit, lo, pid, num_programs, num_units, k_steps,
+                             part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS,
+                             GATED)
+                acc = ttgl.zeros([BN, BM], ttgl.float32, ACC)
+                seg_lo = unit + 1
+        for s in ttgl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+
+
+def _shared_layout(block: list[int], dtype: str):
+    return ttgl.NVMMASharedLayout.get_default_for(block, getattr(ttgl, {"bf16": "bfloat16",
+                                                                       "fp16": "float16"}[dtype]))
+
+
+def default_tiles(m: int, n: int, k: int) -> Sm90Tiles:
+    """Tiles from the H100 sweep (benchmarks/gemm_sweep.py --sm90)."""
+    return Sm90Tiles()
+
+
+def gemm_sm90_applies(x: torch.Tensor, w: torch.Tensor, tiles: Sm90Tiles | None = None) -> bool:
+    """Whether ``gemm_sm90`` takes x [M, K] @ w [N, K]^T: Gluon importable, an sm_90 GPU, 16-bit
+    x and w of one dtype with unit-stride rows 16-byte aligned (TMA), 1 <= M <= MAX_M, K a
+    multiple of block_k, and the program's shared memory within one SM's."""
+    if not (HAS_GLUON and use_triton(x, w)) or x.dim() != 2 or w.dim() != 2:
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] != 9:  # wgmma is Hopper's
+        return False
+    m, k = x.shape
+    tiles = tiles or default_tiles(m, w.shape[0], k)
+    return (x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and 1 <= m <= MAX_M and w.shape[1] == k and k % tiles.block_k == 0
+            and x.stride(1) == 1 and w.stride(1) == 1
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and (m == 1 or x.stride(0) % 8 == 0) and w.stride(0) % 8 == 0
+            and tiles.smem_bytes(block_m_for(m)) <= SMEM_BUDGET)
+
+
+def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, *, gated: bool = False,
+              tiles: Sm90Tiles | None = None, programs: int | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias) -> y [M, N] in out_dtype (x.dtype by default); gated:
+    w is a merged [gate; up] projection and y [M, N / 2] = silu(gate) * up. programs: how many
+    share the work (default: one per SM; tests take fewer to exercise shared tiles)."""
+    m, k = x.shape
+    n = w.shape[0]
+    tiles = tiles or default_tiles(m, n, k)
+    assert gemm_sm90_applies(x, w, tiles), "gemm_sm90 does not take these inputs"
+    assert not gated or n % 2 == 0, f"a gated projection has an even number of rows, not {n}"
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty(m, n // 2 if gated else n, dtype=out_dtype, device=x.device)
+    block_m = block_m_for(m)
+    rows_out = tiles.block_n // 2 if gated else tiles.block_n  # output columns a tile
+    num_tiles = -(-(n // 2 if gated else n) // rows_out)
+    k_steps = k // tiles.block_k
+    assert num_tiles <= COUNTER_CAPACITY, f"N={n}: more tiles than the arrival counters"
+    units = num_tiles * k_steps
+    num_programs = min(programs or num_sms(x.device), units)
+    dtype = _GL_DTYPES[x.dtype]
+    w_block = [rows_out, tiles.block_k]
+    x_block = [block_m, tiles.block_k]
+    w_desc = GluonTensorDescriptor(w, [n, k], [w.stride(0), 1], w_block,
+                                   _shared_layout(w_block, dtype))
+    x_desc = GluonTensorDescriptor(x, [m, k], [x.stride(0) if m > 1 else k, 1], x_block,
+                                   _shared_layout(x_block, dtype))
+    parts = torch.empty(num_programs * 2 * tiles.block_n * block_m, device=x.device,
+                        dtype=torch.float32)
+    launch = pdl(x.device)
+    _gemm_sm90_kernel[(num_programs,)](
+        w_desc, x_desc, bias if bias is not None else y, y, parts, arrival_counters(x.device),
+        m, n, num_tiles, k_steps, y.stride(0), HAS_BIAS=bias is not None, GATED=gated,
+        STAGES=tiles.stages, USE_PDL=launch["USE_PDL"], num_warps=tiles.num_warps,
+        launch_pdl=launch["launch_pdl"],
+    )  # fmt: skip
+    return y
+
+
+def compile_gemm_sm90(tiles: Sm90Tiles, block_m: int, dtype: str = "bf16", out_dtype: str = "bf16",
+                      gated: bool = False, has_bias: bool = False, use_pdl: bool = True):
+    """The kernel compiled for sm_90 on any host (_gluon.compile_sm90)."""
+    w_block = [tiles.block_n // 2 if gated else tiles.block_n, tiles.block_k]
+    x_block = [block_m, tiles.block_k]
+    sig = {"w_desc": f"tensordesc<{dtype}{w_block},{_shared_layout(w_block, dtype)!r}>",
+           "x_desc": f"tensordesc<{dtype}{x_block},{_shared_layout(x_block, dtype)!r}>",
+           "bias_ptr": f"*{dtype}", "y_ptr": f"*{out_dtype}", "part_ptr": "*fp32",
+           "count_ptr": "*i32", "M": "i32", "N": "i32", "num_tiles": "i32", "k_steps": "i32",
+           "stride_ym": "i32"}
+    consts = dict(HAS_BIAS=has_bias, GATED=gated, STAGES=tiles.stages, USE_PDL=use_pdl)
+    return compile_sm90(_gemm_sm90_kernel, sig, consts, tiles.num_warps,
+                        unspecialized=("M", "N", "num_tiles", "k_steps"))
