@@ -223,26 +223,27 @@ if HAS_GLUON:
         for j in ttgl.static_range(STAGES - 1):
             _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + j, j, k_steps, half_n, GATED,
                    STAGES, j < count)
-        acc = ttgl.zeros([BN, BM], ttgl.float32, ACC)
-        seg_lo = lo
-        for i in range(count):
-            unit = lo + i
-            stage = i % STAGES
-            mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-            acc = warpgroup_mma(w_bufs.index(stage), x_bufs.index(stage).permute((1, 0)), acc,
-                                is_async=True)
-            # step i - 1's wgmma is done: its stage takes unit i + STAGES - 1
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            ahead = i + STAGES - 1
-            _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + ahead, ahead, k_steps, half_n,
-                   GATED, STAGES, ahead < count)
-            if ((unit + 1) % k_steps == 0) | (i + 1 == count):
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                _finish_tile(acc, epi, seg_lo, unit, lo, pid, num_programs, num_units, k_steps,
-                             part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS,
-                             GATED)
-                acc = ttgl.zeros([BN, BM], ttgl.float32, ACC)
-                seg_lo = unit + 1
+        hi = lo + count
+        # one tile's units at a time: a branch inside the K loop that took the accumulator would
+        # make the compiler wait for every wgmma before the next step
+        for tile in range(lo // k_steps, (hi - 1) // k_steps + 1):
+            seg_lo = ttgl.maximum(lo, tile * k_steps)
+            seg_hi = ttgl.minimum(hi, (tile + 1) * k_steps)
+            acc = ttgl.zeros([BN, BM], ttgl.float32, ACC)
+            for unit in range(seg_lo, seg_hi):
+                i = unit - lo
+                stage = i % STAGES
+                mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+                acc = warpgroup_mma(w_bufs.index(stage), x_bufs.index(stage).permute((1, 0)),
+                                    acc, is_async=True)
+                # step i - 1's wgmma is done: its stage takes unit i + STAGES - 1
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                ahead = i + STAGES - 1
+                _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + ahead, ahead, k_steps, half_n,
+                       GATED, STAGES, ahead < count)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _finish_tile(acc, epi, seg_lo, seg_hi - 1, lo, pid, num_programs, num_units, k_steps,
+                         part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
         for s in ttgl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
