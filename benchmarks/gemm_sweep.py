@@ -52,8 +52,8 @@ ALTERNATIVES = {
 
 
 # Sm90Tiles (block_n, block_k, stages, num_warps) of gemm_sm90, 16-bit operands at M <= 64
-SM90_ALTERNATIVES = [(128, 64, 4, 4), (128, 64, 8, 4), (256, 64, 4, 8), (64, 64, 8, 4),
-                     (128, 32, 8, 4), (256, 64, 3, 8)]
+SM90_ALTERNATIVES = [(64, 128, 6, 4), (64, 256, 3, 4), (64, 128, 4, 4), (128, 128, 4, 4),
+                     (128, 64, 6, 4), (128, 256, 2, 4), (256, 64, 4, 8), (256, 128, 2, 8)]
 
 SHAPES = [(6144, 4096, "qkv"), (4096, 4096, "o_proj"), (28672, 4096, "gate_up"),
           (4096, 14336, "down_proj"), (28672, 4096, "gate_up gated"), (128256, 4096, "lm_head")]
@@ -106,10 +106,11 @@ def run_case(n: int, k: int, m: int, dtype: str, layer: str,
         if layer in ("qkv", "o_proj",
                                                                           "gate_up", "down_proj")
         and k % c[2] == 0 and (c[0] >= min(m, 64) or c[0] == 16) and alternatives}
-    if dtype == "bf16" and gemm_sm90_applies(x, weights[0]):  # the Hopper kernel
-        configs["sm90"] = default_tiles(m, n, k)
+    if dtype == "bf16" and gemm_sm90_applies(x, weights[0], gated=gated):  # the Hopper kernel
+        configs["sm90"] = default_tiles(m, n, k, gated)
         configs |= {f"sm90 {c}": Sm90Tiles(*c) for c in SM90_ALTERNATIVES
-                    if gemm_sm90_applies(x, weights[0], Sm90Tiles(*c))}
+                    if gemm_sm90_applies(x, weights[0], Sm90Tiles(*c))
+                    and (not gated or c[0] == 32 * c[3])}
     paths = {"cublas": cublas} | {label: triton_path(cfg) for label, cfg in configs.items()}
     rows = []
     wbytes = sum(t.numel() * t.element_size() for t in weights)

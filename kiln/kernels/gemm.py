@@ -155,7 +155,7 @@ def gemm_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     scaled = x_scales is not None
     assert scaled == (w_scales is not None), "x_scales and w_scales come together"
     out_dtype = out_dtype or (torch.bfloat16 if scaled else x.dtype)
-    if config is None and not scaled and SM90 and gemm_sm90_applies(x, w):
+    if config is None and not scaled and SM90 and gemm_sm90_applies(x, w, gated=gated):
         return gemm_sm90(x, w, bias, out_dtype, gated=gated)
     cfg = config or gemm_config(m, n, k, x.element_size(), num_sms(x.device))
     assert w.shape[1] == k and k % cfg.block_k == 0, \

@@ -30,6 +30,7 @@ every run.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,7 @@ from kiln.kernels._gluon import jit as _jit
 from kiln.kernels._triton import COUNTER_CAPACITY, arrival_counters, num_sms, pdl, use_triton
 from kiln.kernels.activation import silu_mul
 
+BOX_K = 64  # K of a TMA box: a 128-byte row of 16-bit elements (the widest swizzle)
 MAX_M = 64  # rows of x this kernel takes (wgmma's N: one x tile)
 SMEM_BUDGET = 227 * 1024  # shared memory an H100 block may use
 _GL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -59,8 +61,8 @@ _GL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
 @dataclass(frozen=True)
 class Sm90Tiles:
     """block_n weight rows an output tile (wgmma's M: 64 per warpgroup step; a gated tile takes
-    block_n / 2 gate and block_n / 2 up rows), block_k K a step (128 bytes of a row: TMA's
-    widest swizzle), stages TMA ring depth, num_warps 4 (one warpgroup) or 8."""
+    block_n / 2 gate and block_n / 2 up rows), block_k K a step (in boxes of BOX_K: 128 bytes of a
+    row, TMA's     widest swizzle), stages TMA ring depth, num_warps 4 (one warpgroup) or 8."""
 
     block_n: int = 128
     block_k: int = 64
@@ -71,8 +73,9 @@ class Sm90Tiles:
         if self.block_n not in (64, 128, 256) or self.block_n < 16 * self.num_warps:
             raise ValueError(f"block_n={self.block_n}: 64, 128 or 256, at least 16 rows a warp "
                              f"({self.num_warps} warps)")
-        if self.block_k not in (32, 64):
-            raise ValueError(f"block_k={self.block_k}: 32 or 64 (16-bit rows of 64 or 128 bytes)")
+        if self.block_k not in (64, 128, 256):
+            raise ValueError(f"block_k={self.block_k}: 64, 128 or 256 (1, 2 or 4 TMA boxes of "
+                             f"{BOX_K})")
         if self.num_warps not in (4, 8) or self.stages < 2:
             raise ValueError(f"num_warps={self.num_warps}, stages={self.stages}: 4 or 8 warps, "
                              f"at least 2 stages")
@@ -100,45 +103,48 @@ if HAS_GLUON:
 
     @_jit
     def _issue(w_desc, x_desc, w_bufs, x_bufs, bars, unit, i, k_steps, half_n,
-               GATED: ttgl.constexpr, STAGES: ttgl.constexpr, pred):
+               GATED: ttgl.constexpr, STAGES: ttgl.constexpr, pred, LOAD_W: ttgl.constexpr,
+               LOAD_X: ttgl.constexpr):
         """TMA copies of work unit ``unit`` (tile unit // k_steps, K step unit % k_steps) into
-        ring stage i % STAGES; gated: gate rows into the tile's first half, up rows (half_n
-        further) into its second."""
+        ring stage i % STAGES: its weights (LOAD_W; the stage's mbarrier told to expect the
+        whole unit) and its x tile (LOAD_X). Gated: gate rows into the tile's first half, up rows
+        (half_n further) into its second."""
         stage = i % STAGES
         bar = bars.index(stage)
         BN_LOAD: ttgl.constexpr = w_desc.block_type.shape[0]
-        BK: ttgl.constexpr = w_desc.block_type.shape[1]
+        BOX: ttgl.constexpr = w_desc.block_type.shape[1]
+        SUB: ttgl.constexpr = w_bufs.shape[0] // STAGES
         W_BYTES: ttgl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
-        mbarrier.expect(bar, W_BYTES + x_desc.block_type.nbytes, pred=pred)
+        if LOAD_W:
+            mbarrier.expect(bar, SUB * (W_BYTES + x_desc.block_type.nbytes), pred=pred)
         row = (unit // k_steps) * BN_LOAD
-        k = (unit % k_steps) * BK
-        w_buf = w_bufs.index(stage)
-        if GATED:
-            tma_load(w_desc, [row, k], bar, w_buf.slice(0, BN_LOAD), pred)
-            tma_load(w_desc, [half_n + row, k], bar, w_buf.slice(BN_LOAD, BN_LOAD), pred)
-        else:
-            tma_load(w_desc, [row, k], bar, w_buf, pred)
-        tma_load(x_desc, [0, k], bar, x_bufs.index(stage), pred)
+        for j in ttgl.static_range(SUB):
+            k = ((unit % k_steps) * SUB + j) * BOX
+            if LOAD_W:
+                w_buf = w_bufs.index(stage * SUB + j)
+                if GATED:
+                    tma_load(w_desc, [row, k], bar, w_buf.slice(0, BN_LOAD), pred)
+                    tma_load(w_desc, [half_n + row, k], bar, w_buf.slice(BN_LOAD, BN_LOAD),
+                             pred)
+                else:
+                    tma_load(w_desc, [row, k], bar, w_buf, pred)
+            if LOAD_X:
+                tma_load(x_desc, [0, k], bar, x_bufs.index(stage * SUB + j), pred)
 
     @_jit
-    def _store_tile(acc, epi, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: ttgl.constexpr,
+    def _store_tile(acc, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: ttgl.constexpr,
                     GATED: ttgl.constexpr):
-        """acc [BN, BM] float32 (y^T of output tile ``tile``) -> y [M, N or N / 2], through the
-        shared tile ``epi`` so that a thread holds consecutive columns of y (and, gated, a gate
-        row and its up row)."""
+        """acc [BN, BM] float32 (y^T of output tile ``tile``) -> y [M, N or N / 2], straight from
+        the registers. Gated, acc's first half holds the gate rows and its second the up rows,
+        and a thread holds row r of each (the wgmma layout repeats every 16 x num_warps rows)."""
         BN: ttgl.constexpr = acc.shape[0]
         BM: ttgl.constexpr = acc.shape[1]
-        BN_OUT: ttgl.constexpr = BN // 2 if GATED else BN
-        OUT: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, ttgl.num_warps()], [0, 1])
-        cta_barrier()  # every thread done reading the previous tile from epi
-        epi.store(acc)
-        cta_barrier()
-        cols = tile * BN_OUT + ttgl.arange(0, BN_OUT, layout=ttgl.SliceLayout(1, OUT))
-        rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, OUT))
         dt: ttgl.constexpr = y_ptr.dtype.element_ty
         if GATED:
-            gate = epi.slice(0, BN_OUT).load(OUT)
-            up = epi.slice(BN_OUT, BN_OUT).load(OUT)
+            gate, up = ttgl.split(ttgl.permute(ttgl.reshape(acc, [2, BN // 2, BM]), (1, 2, 0)))
+            L: ttgl.constexpr = gate.type.layout
+            cols = tile * (BN // 2) + ttgl.arange(0, BN // 2, layout=ttgl.SliceLayout(1, L))
+            rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, L))
             n_valid = N // 2
             if HAS_BIAS:
                 gate += ttgl.load(bias_ptr + cols, mask=cols < n_valid, other=0.0).to(
@@ -147,7 +153,10 @@ if HAS_GLUON:
                     ttgl.float32)[:, None]
             y = silu_mul(gate, up, dt)
         else:
-            y = epi.load(OUT)
+            ACC: ttgl.constexpr = acc.type.layout
+            cols = tile * BN + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))
+            rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))
+            y = acc
             n_valid = N
             if HAS_BIAS:
                 y += ttgl.load(bias_ptr + cols, mask=cols < n_valid, other=0.0).to(
@@ -156,57 +165,83 @@ if HAS_GLUON:
         ttgl.store(ptrs, y.to(dt), mask=(cols < n_valid)[:, None] & (rows < M)[None, :])
 
     @_jit
-    def _finish_tile(acc, epi, seg_lo, unit, lo, pid, num_programs, num_units, k_steps,
+    def _add_parts(acc, part_ptr, local, first, last, skip, tile_lo, num_units, num_programs,
+                   MAX_PARTS: ttgl.constexpr):
+        """acc + the stored partials of programs first..last but ``skip`` (-1: none), in program
+        order, unrolled: every load can be in flight before the first is added."""
+        BLOCK: ttgl.constexpr = acc.shape[0] * acc.shape[1]
+        total = acc
+        for j in ttgl.static_range(MAX_PARTS):
+            q = first + j
+            slot = ((q * num_units) // num_programs < tile_lo).to(ttgl.int32)
+            total += ttgl.load(part_ptr + (q * 2 + slot).to(ttgl.int64) * BLOCK + local,
+                               mask=(local >= 0) & (q <= last) & (q != skip), other=0.0,
+                               cache_modifier=".cg")
+        return total
+
+    @_jit
+    def _finish_tile(acc, seg_lo, unit, lo, pid, num_programs, num_units, k_steps,
                      part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym,
-                     HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr):
+                     HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr, MAX_PARTS: ttgl.constexpr):
         """The program's units [seg_lo, unit] of one tile are in acc: store the tile if they are
-        all of its K steps, else add the partial to the tile's and finish it if last."""
+        all of its K steps, else combine the tile's partials.
+
+        The tile's programs are first..last (those holding its first and its last unit); the
+        sum is theirs in that order. Each but the first stores its partial and counts its
+        arrival in the tile's counter. The first (the tile is the end of its range: it usually
+        comes last) adds the others' partials to its own accumulator if they have all arrived;
+        else it stores and counts too, and whoever arrives last sums the stored partials."""
         BN: ttgl.constexpr = acc.shape[0]
         BM: ttgl.constexpr = acc.shape[1]
+        ACC: ttgl.constexpr = acc.type.layout
         tile = unit // k_steps
         tile_lo = tile * k_steps
         if (seg_lo == tile_lo) & (unit + 1 == tile_lo + k_steps):
-            _store_tile(acc, epi, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
+            _store_tile(acc, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
         else:
-            ACC: ttgl.constexpr = acc.type.layout
-            local = (ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))[:, None] * BM
-                     + ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))[None, :])
-            slot = (seg_lo != lo).to(ttgl.int32)  # 0: the range's first tile, 1: its last
-            ttgl.store(part_ptr + (pid * 2 + slot).to(ttgl.int64) * (BN * BM) + local, acc)
-            cta_barrier()  # every thread's partial stored before the arrival is counted
-            # the tile's programs: those holding its first and its last unit
             first = ((tile_lo + 1) * num_programs - 1) // num_units
             last = ((tile_lo + k_steps) * num_programs - 1) // num_units
-            arrived = ttgl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-            if arrived == last - first:
-                total = ttgl.zeros([BN, BM], ttgl.float32, ACC)
-                for q in range(first, last + 1):
-                    q_slot = ((q * num_units) // num_programs < tile_lo).to(ttgl.int32)
-                    total += ttgl.load(part_ptr + (q * 2 + q_slot).to(ttgl.int64) * (BN * BM)
-                                       + local, cache_modifier=".cg")
-                _store_tile(total, epi, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS,
-                            GATED)
-                ttgl.atomic_xchg(count_ptr + tile, 0)
+            local = (ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))[:, None] * BM
+                     + ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))[None, :])
+            counter = count_ptr + tile
+            arrived = -1
+            if pid == first:
+                arrived = ttgl.atomic_add(counter, 0, sem="acquire")  # a read
+            if arrived == last - first:  # the first, with every other partial stored
+                total = _add_parts(acc, part_ptr, local, first, last, pid, tile_lo, num_units,
+                                   num_programs, MAX_PARTS)
+                _store_tile(total, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
+                ttgl.atomic_xchg(counter, 0)
+            else:
+                slot = (seg_lo != lo).to(ttgl.int32)  # 0: the range's first tile, 1: its last
+                ttgl.store(part_ptr + (pid * 2 + slot).to(ttgl.int64) * (BN * BM) + local, acc)
+                cta_barrier()  # every thread's partial stored before the arrival is counted
+                if ttgl.atomic_add(counter, 1, sem="acq_rel") == last - first:
+                    total = _add_parts(ttgl.zeros([BN, BM], ttgl.float32, ACC), part_ptr, local,
+                                       first, last, -1, tile_lo, num_units, num_programs,
+                                       MAX_PARTS)
+                    _store_tile(total, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
+                    ttgl.atomic_xchg(counter, 0)
 
     # the batch size changes every step and the unit counts with the layer: one compile serves
     @_jit(do_not_specialize=["M", "N", "num_tiles", "k_steps"])
     def _gemm_sm90_kernel(
         w_desc, x_desc, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, num_tiles, k_steps,
         stride_ym, HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr, STAGES: ttgl.constexpr,
-        USE_PDL: ttgl.constexpr,
+        SUB: ttgl.constexpr, MAX_PARTS: ttgl.constexpr, USE_PDL: ttgl.constexpr,
+        PROBE: ttgl.constexpr = 0,
     ):  # fmt: skip
         """Program p's units [p U / P, (p + 1) U / P) of the U = num_tiles x k_steps units."""
         BN_LOAD: ttgl.constexpr = w_desc.block_type.shape[0]
         BN: ttgl.constexpr = BN_LOAD * 2 if GATED else BN_LOAD
-        BK: ttgl.constexpr = w_desc.block_type.shape[1]
+        BOX: ttgl.constexpr = w_desc.block_type.shape[1]
         BM: ttgl.constexpr = x_desc.block_type.shape[0]
         dt: ttgl.constexpr = w_desc.dtype
         ACC: ttgl.constexpr = _acc_layout(BM, ttgl.num_warps())
 
-        w_bufs = ttgl.allocate_shared_memory(dt, [STAGES, BN, BK], w_desc.layout)
-        x_bufs = ttgl.allocate_shared_memory(dt, [STAGES, BM, BK], x_desc.layout)
-        epi = ttgl.allocate_shared_memory(ttgl.float32, [BN, BM],
-                                          ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        # a stage: SUB boxes of K side by side (longer runs of each weight row from DRAM)
+        w_bufs = ttgl.allocate_shared_memory(dt, [STAGES * SUB, BN, BOX], w_desc.layout)
+        x_bufs = ttgl.allocate_shared_memory(dt, [STAGES * SUB, BM, BOX], x_desc.layout)
         bars = ttgl.allocate_shared_memory(ttgl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in ttgl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
@@ -217,12 +252,17 @@ if HAS_GLUON:
         lo = pid * num_units // num_programs
         count = (pid + 1) * num_units // num_programs - lo  # >= 1: the host's P <= U
         half_n = N // 2
-        if USE_PDL:  # x is the previous kernel's output; the counters are shared with it
+        # the first units' weights before the PDL wait (they never depend on the kernel before),
+        # their x tiles (the kernel before's output) after it
+        for j in ttgl.static_range(STAGES - 1):
+            _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + j, j, k_steps, half_n, GATED,
+                   STAGES, j < count, True, False)
+        if USE_PDL:  # x and the counters are the kernel before's to finish with
             gdc(True)
             gdc(False)
         for j in ttgl.static_range(STAGES - 1):
             _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + j, j, k_steps, half_n, GATED,
-                   STAGES, j < count)
+                   STAGES, j < count, False, True)
         hi = lo + count
         # one tile's units at a time: a branch inside the K loop that took the accumulator would
         # make the compiler wait for every wgmma before the next step
@@ -234,16 +274,23 @@ if HAS_GLUON:
                 i = unit - lo
                 stage = i % STAGES
                 mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-                acc = warpgroup_mma(w_bufs.index(stage), x_bufs.index(stage).permute((1, 0)),
-                                    acc, is_async=True)
-                # step i - 1's wgmma is done: its stage takes unit i + STAGES - 1
+                if PROBE != 1:
+                    for j in ttgl.static_range(SUB):
+                        acc = warpgroup_mma(w_bufs.index(stage * SUB + j),
+                                            x_bufs.index(stage * SUB + j).permute((1, 0)), acc,
+                                            is_async=True)
+                # step i - 1's wgmmas are done: its stage takes unit i + STAGES - 1
                 acc = warpgroup_mma_wait(1, deps=(acc,))
                 ahead = i + STAGES - 1
                 _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + ahead, ahead, k_steps, half_n,
-                       GATED, STAGES, ahead < count)
+                       GATED, STAGES, ahead < count, True, True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            _finish_tile(acc, epi, seg_lo, seg_hi - 1, lo, pid, num_programs, num_units, k_steps,
-                         part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
+            if PROBE == 2:
+                seg_lo = tile * k_steps
+                seg_hi = (tile + 1) * k_steps
+            _finish_tile(acc, seg_lo, seg_hi - 1, lo, pid, num_programs, num_units, k_steps,
+                         part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED,
+                         MAX_PARTS)
         for s in ttgl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
@@ -253,12 +300,20 @@ def _shared_layout(block: list[int], dtype: str):
                                                                        "fp16": "float16"}[dtype]))
 
 
-def default_tiles(m: int, n: int, k: int) -> Sm90Tiles:
-    """Tiles from the H100 sweep (benchmarks/gemm_sweep.py --sm90)."""
-    return Sm90Tiles()
+def default_tiles(m: int, n: int, k: int, gated: bool = False) -> Sm90Tiles:
+    """Tiles from the H100 sweep (benchmarks/results/h100/gemm_sm90.txt): 64 weight rows a
+    tile, 128-deep K steps in 6 stages; gated, 128 rows (64 gate, 64 up: see _store_tile)."""
+    return Sm90Tiles(128, 128, 4) if gated else Sm90Tiles(64, 128, 6)
 
 
-def gemm_sm90_applies(x: torch.Tensor, w: torch.Tensor, tiles: Sm90Tiles | None = None) -> bool:
+def max_programs_per_tile(units: int, programs: int, k_steps: int) -> int:
+    """The most programs whose unit ranges [p units / programs, (p + 1) units / programs) meet
+    one tile's k_steps units: a range holds at least units // programs of them."""
+    return min(programs, -(-(k_steps - 1) // (units // programs)) + 1)
+
+
+def gemm_sm90_applies(x: torch.Tensor, w: torch.Tensor, tiles: Sm90Tiles | None = None,
+                      gated: bool = False) -> bool:
     """Whether ``gemm_sm90`` takes x [M, K] @ w [N, K]^T: Gluon importable, an sm_90 GPU, 16-bit
     x and w of one dtype with unit-stride rows 16-byte aligned (TMA), 1 <= M <= MAX_M, K a
     multiple of block_k, and the program's shared memory within one SM's."""
@@ -267,7 +322,7 @@ def gemm_sm90_applies(x: torch.Tensor, w: torch.Tensor, tiles: Sm90Tiles | None 
     if torch.cuda.get_device_capability(x.device)[0] != 9:  # wgmma is Hopper's
         return False
     m, k = x.shape
-    tiles = tiles or default_tiles(m, w.shape[0], k)
+    tiles = tiles or default_tiles(m, w.shape[0], k, gated)
     return (x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
             and 1 <= m <= MAX_M and w.shape[1] == k and k % tiles.block_k == 0
             and x.stride(1) == 1 and w.stride(1) == 1
@@ -284,9 +339,12 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     share the work (default: one per SM; tests take fewer to exercise shared tiles)."""
     m, k = x.shape
     n = w.shape[0]
-    tiles = tiles or default_tiles(m, n, k)
+    tiles = tiles or default_tiles(m, n, k, gated)
     assert gemm_sm90_applies(x, w, tiles), "gemm_sm90 does not take these inputs"
     assert not gated or n % 2 == 0, f"a gated projection has an even number of rows, not {n}"
+    if gated and tiles.block_n != 32 * tiles.num_warps:
+        raise ValueError(f"gated tiles need block_n = 32 x num_warps (a thread holds a gate row "
+                         f"and its up row), not {tiles}")
     out_dtype = out_dtype or x.dtype
     y = torch.empty(m, n // 2 if gated else n, dtype=out_dtype, device=x.device)
     block_m = block_m_for(m)
@@ -296,9 +354,10 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     assert num_tiles <= COUNTER_CAPACITY, f"N={n}: more tiles than the arrival counters"
     units = num_tiles * k_steps
     num_programs = min(programs or num_sms(x.device), units)
+    max_parts = max_programs_per_tile(units, num_programs, k_steps)
     dtype = _GL_DTYPES[x.dtype]
-    w_block = [rows_out, tiles.block_k]
-    x_block = [block_m, tiles.block_k]
+    w_block = [rows_out, BOX_K]
+    x_block = [block_m, BOX_K]
     w_desc = GluonTensorDescriptor(w, [n, k], [w.stride(0), 1], w_block,
                                    _shared_layout(w_block, dtype))
     x_desc = GluonTensorDescriptor(x, [m, k], [x.stride(0) if m > 1 else k, 1], x_block,
@@ -309,22 +368,26 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     _gemm_sm90_kernel[(num_programs,)](
         w_desc, x_desc, bias if bias is not None else y, y, parts, arrival_counters(x.device),
         m, n, num_tiles, k_steps, y.stride(0), HAS_BIAS=bias is not None, GATED=gated,
-        STAGES=tiles.stages, USE_PDL=launch["USE_PDL"], num_warps=tiles.num_warps,
+        STAGES=tiles.stages, SUB=tiles.block_k // BOX_K, MAX_PARTS=max_parts,
+        USE_PDL=launch["USE_PDL"], PROBE=int(os.environ.get("PROBE", "0")),
+        num_warps=tiles.num_warps,
         launch_pdl=launch["launch_pdl"],
     )  # fmt: skip
     return y
 
 
 def compile_gemm_sm90(tiles: Sm90Tiles, block_m: int, dtype: str = "bf16", out_dtype: str = "bf16",
-                      gated: bool = False, has_bias: bool = False, use_pdl: bool = True):
+                      gated: bool = False, has_bias: bool = False, use_pdl: bool = True,
+                      max_parts: int = 4):
     """The kernel compiled for sm_90 on any host (_gluon.compile_sm90)."""
-    w_block = [tiles.block_n // 2 if gated else tiles.block_n, tiles.block_k]
-    x_block = [block_m, tiles.block_k]
+    w_block = [tiles.block_n // 2 if gated else tiles.block_n, BOX_K]
+    x_block = [block_m, BOX_K]
     sig = {"w_desc": f"tensordesc<{dtype}{w_block},{_shared_layout(w_block, dtype)!r}>",
            "x_desc": f"tensordesc<{dtype}{x_block},{_shared_layout(x_block, dtype)!r}>",
            "bias_ptr": f"*{dtype}", "y_ptr": f"*{out_dtype}", "part_ptr": "*fp32",
            "count_ptr": "*i32", "M": "i32", "N": "i32", "num_tiles": "i32", "k_steps": "i32",
            "stride_ym": "i32"}
-    consts = dict(HAS_BIAS=has_bias, GATED=gated, STAGES=tiles.stages, USE_PDL=use_pdl)
+    consts = dict(HAS_BIAS=has_bias, GATED=gated, STAGES=tiles.stages,
+                  SUB=tiles.block_k // BOX_K, MAX_PARTS=max_parts, USE_PDL=use_pdl)
     return compile_sm90(_gemm_sm90_kernel, sig, consts, tiles.num_warps,
                         unspecialized=("M", "N", "num_tiles", "k_steps"))
