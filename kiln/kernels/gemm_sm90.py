@@ -53,6 +53,9 @@ from kiln.kernels._triton import COUNTER_CAPACITY, arrival_counters, num_sms, pd
 from kiln.kernels.activation import silu_mul
 
 BOX_K = 64  # K of a TMA box: a 128-byte row of 16-bit elements (the widest swizzle)
+# K steps into its next tile after which a program counts the partial it stored at the end of
+# its first one (by then the stores have landed, and the count's fence does not wait for them)
+ARRIVE_AFTER = ttgl.constexpr(2) if HAS_GLUON else 2
 MAX_M = 64  # rows of x this kernel takes (wgmma's N: one x tile)
 SMEM_BUDGET = 227 * 1024  # shared memory an H100 block may use
 _GL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -180,48 +183,70 @@ if HAS_GLUON:
         return total
 
     @_jit
+    def _tile_programs(tile_lo, k_steps, num_units, num_programs):
+        """The first and last program whose unit ranges meet the tile starting at unit tile_lo."""
+        first = ((tile_lo + 1) * num_programs - 1) // num_units
+        last = ((tile_lo + k_steps) * num_programs - 1) // num_units
+        return first, last
+
+    @_jit
+    def _arrive(tile, k_steps, num_units, num_programs, part_ptr, count_ptr, local, bias_ptr,
+                y_ptr, M, N, stride_ym, ACC: ttgl.constexpr, HAS_BIAS: ttgl.constexpr,
+                GATED: ttgl.constexpr, MAX_PARTS: ttgl.constexpr):
+        """Count this program's stored partial of ``tile``; the last to arrive sums them all."""
+        BN: ttgl.constexpr = local.shape[0]
+        BM: ttgl.constexpr = local.shape[1]
+        tile_lo = tile * k_steps
+        first, last = _tile_programs(tile_lo, k_steps, num_units, num_programs)
+        cta_barrier()  # every thread's partial stored before the arrival is counted
+        if ttgl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == last - first:
+            total = _add_parts(ttgl.zeros([BN, BM], ttgl.float32, ACC), part_ptr, local, first,
+                               last, -1, tile_lo, num_units, num_programs, MAX_PARTS)
+            _store_tile(total, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
+            ttgl.atomic_xchg(count_ptr + tile, 0)
+
+    @_jit
     def _finish_tile(acc, seg_lo, unit, lo, pid, num_programs, num_units, k_steps,
-                     part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym,
+                     part_ptr, count_ptr, local, bias_ptr, y_ptr, M, N, stride_ym,
                      HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr, MAX_PARTS: ttgl.constexpr):
         """The program's units [seg_lo, unit] of one tile are in acc: store the tile if they are
-        all of its K steps, else combine the tile's partials.
+        all of its K steps, else combine the tile's partials. Returns the tile if this program
+        stored its partial and has yet to count it (_arrive), else -1.
 
-        The tile's programs are first..last (those holding its first and its last unit); the
-        sum is theirs in that order. Each but the first stores its partial and counts its
-        arrival in the tile's counter. The first (the tile is the end of its range: it usually
-        comes last) adds the others' partials to its own accumulator if they have all arrived;
-        else it stores and counts too, and whoever arrives last sums the stored partials."""
+        The tile's programs are first..last (those holding its first and its last unit), and
+        the sum is theirs in that order. Each but the first stores its partial and counts it
+        (the tile starts its range, so it does that early: a unit or two into its next tile,
+        once the stores have landed, so that the count's fence does not stall the stream). The
+        first (the tile ends its range: it usually comes last) adds the others' partials to
+        its accumulator if they have all arrived; else it stores and counts too, and whoever
+        arrives last sums the stored partials."""
         BN: ttgl.constexpr = acc.shape[0]
         BM: ttgl.constexpr = acc.shape[1]
         ACC: ttgl.constexpr = acc.type.layout
         tile = unit // k_steps
         tile_lo = tile * k_steps
+        pending = -1
         if (seg_lo == tile_lo) & (unit + 1 == tile_lo + k_steps):
             _store_tile(acc, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
         else:
-            first = ((tile_lo + 1) * num_programs - 1) // num_units
-            last = ((tile_lo + k_steps) * num_programs - 1) // num_units
-            local = (ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))[:, None] * BM
-                     + ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))[None, :])
-            counter = count_ptr + tile
+            first, last = _tile_programs(tile_lo, k_steps, num_units, num_programs)
             arrived = -1
             if pid == first:
-                arrived = ttgl.atomic_add(counter, 0, sem="acquire")  # a read
+                arrived = ttgl.atomic_add(count_ptr + tile, 0, sem="acquire")  # a read
             if arrived == last - first:  # the first, with every other partial stored
                 total = _add_parts(acc, part_ptr, local, first, last, pid, tile_lo, num_units,
                                    num_programs, MAX_PARTS)
                 _store_tile(total, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
-                ttgl.atomic_xchg(counter, 0)
+                ttgl.atomic_xchg(count_ptr + tile, 0)
             else:
                 slot = (seg_lo != lo).to(ttgl.int32)  # 0: the range's first tile, 1: its last
                 ttgl.store(part_ptr + (pid * 2 + slot).to(ttgl.int64) * (BN * BM) + local, acc)
-                cta_barrier()  # every thread's partial stored before the arrival is counted
-                if ttgl.atomic_add(counter, 1, sem="acq_rel") == last - first:
-                    total = _add_parts(ttgl.zeros([BN, BM], ttgl.float32, ACC), part_ptr, local,
-                                       first, last, -1, tile_lo, num_units, num_programs,
-                                       MAX_PARTS)
-                    _store_tile(total, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
-                    ttgl.atomic_xchg(counter, 0)
+                pending = tile
+                if pid == first:  # the end of the range: nothing left to overlap the count
+                    _arrive(tile, k_steps, num_units, num_programs, part_ptr, count_ptr, local,
+                            bias_ptr, y_ptr, M, N, stride_ym, ACC, HAS_BIAS, GATED, MAX_PARTS)
+                    pending = -1
+        return pending
 
     # the batch size changes every step and the unit counts with the layer: one compile serves
     @_jit(do_not_specialize=["M", "N", "num_tiles", "k_steps"])
@@ -266,6 +291,9 @@ if HAS_GLUON:
         hi = lo + count
         # one tile's units at a time: a branch inside the K loop that took the accumulator would
         # make the compiler wait for every wgmma before the next step
+        local = (ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))[:, None] * BM
+                 + ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))[None, :])
+        pending = -1  # a tile whose partial this program stored and has yet to count
         for tile in range(lo // k_steps, (hi - 1) // k_steps + 1):
             seg_lo = ttgl.maximum(lo, tile * k_steps)
             seg_hi = ttgl.minimum(hi, (tile + 1) * k_steps)
@@ -284,13 +312,24 @@ if HAS_GLUON:
                 ahead = i + STAGES - 1
                 _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + ahead, ahead, k_steps, half_n,
                        GATED, STAGES, ahead < count, True, True)
+                if (pending >= 0) & (unit == seg_lo + ARRIVE_AFTER):
+                    _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr,
+                            local, bias_ptr, y_ptr, M, N, stride_ym, ACC, HAS_BIAS, GATED,
+                            MAX_PARTS)
+                    pending = -1
             acc = warpgroup_mma_wait(0, deps=(acc,))
+            if pending >= 0:  # the segment was too short to count it in
+                _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr, local,
+                        bias_ptr, y_ptr, M, N, stride_ym, ACC, HAS_BIAS, GATED, MAX_PARTS)
             if PROBE == 2:
                 seg_lo = tile * k_steps
                 seg_hi = (tile + 1) * k_steps
-            _finish_tile(acc, seg_lo, seg_hi - 1, lo, pid, num_programs, num_units, k_steps,
-                         part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED,
-                         MAX_PARTS)
+            pending = _finish_tile(acc, seg_lo, seg_hi - 1, lo, pid, num_programs, num_units,
+                                   k_steps, part_ptr, count_ptr, local, bias_ptr, y_ptr, M, N,
+                                   stride_ym, HAS_BIAS, GATED, MAX_PARTS)
+        if pending >= 0:
+            _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr, local,
+                    bias_ptr, y_ptr, M, N, stride_ym, ACC, HAS_BIAS, GATED, MAX_PARTS)
         for s in ttgl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
