@@ -427,6 +427,6 @@ def compile_gemm_sm90(tiles: Sm90Tiles, block_m: int, dtype: str = "bf16", out_d
            "count_ptr": "*i32", "M": "i32", "N": "i32", "num_tiles": "i32", "k_steps": "i32",
            "stride_ym": "i32"}
     consts = dict(HAS_BIAS=has_bias, GATED=gated, STAGES=tiles.stages,
-                  SUB=tiles.block_k // BOX_K, MAX_PARTS=max_parts, USE_PDL=use_pdl)
+                  SUB=tiles.block_k // BOX_K, MAX_PARTS=max_parts, USE_PDL=use_pdl, PROBE=0)
     return compile_sm90(_gemm_sm90_kernel, sig, consts, tiles.num_warps,
                         unspecialized=("M", "N", "num_tiles", "k_steps"))
