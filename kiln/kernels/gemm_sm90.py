@@ -171,15 +171,23 @@ if HAS_GLUON:
     def _add_parts(acc, part_ptr, local, first, last, skip, tile_lo, num_units, num_programs,
                    MAX_PARTS: ttgl.constexpr):
         """acc + the stored partials of programs first..last but ``skip`` (-1: none), in program
-        order, unrolled: every load can be in flight before the first is added."""
+        order. MAX_PARTS > 0: unrolled, so that every load can be in flight before the first
+        is added (one L2 round trip, not one per program); 0: a loop (fewer registers)."""
         BLOCK: ttgl.constexpr = acc.shape[0] * acc.shape[1]
         total = acc
-        for j in ttgl.static_range(MAX_PARTS):
-            q = first + j
-            slot = ((q * num_units) // num_programs < tile_lo).to(ttgl.int32)
-            total += ttgl.load(part_ptr + (q * 2 + slot).to(ttgl.int64) * BLOCK + local,
-                               mask=(local >= 0) & (q <= last) & (q != skip), other=0.0,
-                               cache_modifier=".cg")
+        if MAX_PARTS > 0:
+            for j in ttgl.static_range(MAX_PARTS):
+                q = first + j
+                slot = ((q * num_units) // num_programs < tile_lo).to(ttgl.int32)
+                total += ttgl.load(part_ptr + (q * 2 + slot).to(ttgl.int64) * BLOCK + local,
+                                   mask=(local >= 0) & (q <= last) & (q != skip), other=0.0,
+                                   cache_modifier=".cg")
+        else:
+            for q in range(first, last + 1):
+                slot = ((q * num_units) // num_programs < tile_lo).to(ttgl.int32)
+                total += ttgl.load(part_ptr + (q * 2 + slot).to(ttgl.int64) * BLOCK + local,
+                                   mask=(local >= 0) & (q != skip), other=0.0,
+                                   cache_modifier=".cg")
         return total
 
     @_jit
@@ -200,8 +208,9 @@ if HAS_GLUON:
         first, last = _tile_programs(tile_lo, k_steps, num_units, num_programs)
         cta_barrier()  # every thread's partial stored before the arrival is counted
         if ttgl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == last - first:
+            # rarely the last (the tile's first program usually is): the loop, fewer registers
             total = _add_parts(ttgl.zeros([BN, BM], ttgl.float32, ACC), part_ptr, local, first,
-                               last, -1, tile_lo, num_units, num_programs, MAX_PARTS)
+                               last, -1, tile_lo, num_units, num_programs, 0)
             _store_tile(total, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
             ttgl.atomic_xchg(count_ptr + tile, 0)
 

@@ -115,8 +115,13 @@ def test_gpu_tiles_agree(tiles):
 
 
 @needs_triton
-@pytest.mark.parametrize("args", [[], ["--gated", "--block-m", "16"], ["--block-m", "32"],
-                                  ["--block-n", "256", "--warps", "8", "--stages", "4"]])
+@pytest.mark.parametrize("args", [
+    ["--block-n", "64", "--block-k", "128", "--stages", "6"],  # the default tiles, M = 33-64
+    ["--block-n", "64", "--block-k", "128", "--stages", "6", "--block-m", "16"],
+    ["--gated", "--block-k", "128", "--stages", "4"],  # the gated default, M = 33-64
+    ["--gated", "--block-k", "128", "--stages", "4", "--block-m", "32"],
+    ["--block-n", "256", "--warps", "8", "--stages", "3", "--block-m", "16"],
+])
 def test_compiles_for_sm90_without_spills(args):
     """The kernel compiles on a CPU host (Gluon has no interpreter; in a subprocess: this
     package's conftest turns the interpreter on): registers, no spills, TMA and wgmma in the K
