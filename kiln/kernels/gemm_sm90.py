@@ -95,6 +95,13 @@ def block_m_for(m: int) -> int:
 
 
 @constexpr_function
+def _loads_in_flight(tile_elements, num_warps):
+    """Partial tiles a thread may load at once: 64 registers of values (and twice that of
+    addresses)."""
+    return max(1, 64 * 32 * num_warps // tile_elements)
+
+
+@constexpr_function
 def _acc_layout(block_m, num_warps):
     """wgmma's accumulator [BN, BM]: warps along the weight rows, one instruction as wide as x's
     tile."""
@@ -169,26 +176,26 @@ if HAS_GLUON:
 
     @_jit
     def _add_parts(acc, part_ptr, local, first, last, skip, tile_lo, num_units, num_programs,
-                   MAX_PARTS: ttgl.constexpr):
+                   UNROLL: ttgl.constexpr):
         """acc + the stored partials of programs first..last but ``skip`` (-1: none), in program
-        order. MAX_PARTS > 0: unrolled, so that every load can be in flight before the first
-        is added (one L2 round trip, not one per program); 0: a loop (fewer registers)."""
+        order, UNROLL loads at a time in flight (one L2 round trip for that many programs)."""
         BLOCK: ttgl.constexpr = acc.shape[0] * acc.shape[1]
         total = acc
-        if MAX_PARTS > 0:
-            for j in ttgl.static_range(MAX_PARTS):
-                q = first + j
+        for base in range(first, last + 1, UNROLL):
+            for j in ttgl.static_range(UNROLL):
+                q = base + j
                 slot = ((q * num_units) // num_programs < tile_lo).to(ttgl.int32)
                 total += ttgl.load(part_ptr + (q * 2 + slot).to(ttgl.int64) * BLOCK + local,
                                    mask=(local >= 0) & (q <= last) & (q != skip), other=0.0,
                                    cache_modifier=".cg")
-        else:
-            for q in range(first, last + 1):
-                slot = ((q * num_units) // num_programs < tile_lo).to(ttgl.int32)
-                total += ttgl.load(part_ptr + (q * 2 + slot).to(ttgl.int64) * BLOCK + local,
-                                   mask=(local >= 0) & (q != skip), other=0.0,
-                                   cache_modifier=".cg")
         return total
+
+    @_jit
+    def _tile_offsets(BN: ttgl.constexpr, BM: ttgl.constexpr, ACC: ttgl.constexpr):
+        """[BN, BM] offsets of a partial tile's elements (rebuilt where needed: kept live
+        through the K loop they would take registers from it)."""
+        return (ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))[:, None] * BM
+                + ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))[None, :])
 
     @_jit
     def _tile_programs(tile_lo, k_steps, num_units, num_programs):
@@ -198,26 +205,26 @@ if HAS_GLUON:
         return first, last
 
     @_jit
-    def _arrive(tile, k_steps, num_units, num_programs, part_ptr, count_ptr, local, bias_ptr,
-                y_ptr, M, N, stride_ym, ACC: ttgl.constexpr, HAS_BIAS: ttgl.constexpr,
-                GATED: ttgl.constexpr, MAX_PARTS: ttgl.constexpr):
+    def _arrive(tile, k_steps, num_units, num_programs, part_ptr, count_ptr, bias_ptr, y_ptr,
+                M, N, stride_ym, BN: ttgl.constexpr, BM: ttgl.constexpr, ACC: ttgl.constexpr,
+                HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr):
         """Count this program's stored partial of ``tile``; the last to arrive sums them all."""
-        BN: ttgl.constexpr = local.shape[0]
-        BM: ttgl.constexpr = local.shape[1]
+        local = _tile_offsets(BN, BM, ACC)
         tile_lo = tile * k_steps
         first, last = _tile_programs(tile_lo, k_steps, num_units, num_programs)
         cta_barrier()  # every thread's partial stored before the arrival is counted
         if ttgl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == last - first:
-            # rarely the last (the tile's first program usually is): the loop, fewer registers
+            # rarely the last (the tile's first program usually is): one load at a time, in
+            # the registers the K loop leaves
             total = _add_parts(ttgl.zeros([BN, BM], ttgl.float32, ACC), part_ptr, local, first,
-                               last, -1, tile_lo, num_units, num_programs, 0)
+                               last, -1, tile_lo, num_units, num_programs, 1)
             _store_tile(total, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
             ttgl.atomic_xchg(count_ptr + tile, 0)
 
     @_jit
     def _finish_tile(acc, seg_lo, unit, lo, pid, num_programs, num_units, k_steps,
-                     part_ptr, count_ptr, local, bias_ptr, y_ptr, M, N, stride_ym,
-                     HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr, MAX_PARTS: ttgl.constexpr):
+                     part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym,
+                     HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr):
         """The program's units [seg_lo, unit] of one tile are in acc: store the tile if they are
         all of its K steps, else combine the tile's partials. Returns the tile if this program
         stored its partial and has yet to count it (_arrive), else -1.
@@ -239,12 +246,13 @@ if HAS_GLUON:
             _store_tile(acc, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
         else:
             first, last = _tile_programs(tile_lo, k_steps, num_units, num_programs)
+            local = _tile_offsets(BN, BM, ACC)
             arrived = -1
             if pid == first:
                 arrived = ttgl.atomic_add(count_ptr + tile, 0, sem="acquire")  # a read
             if arrived == last - first:  # the first, with every other partial stored
                 total = _add_parts(acc, part_ptr, local, first, last, pid, tile_lo, num_units,
-                                   num_programs, MAX_PARTS)
+                                   num_programs, _loads_in_flight(BN * BM, ttgl.num_warps()))
                 _store_tile(total, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
                 ttgl.atomic_xchg(count_ptr + tile, 0)
             else:
@@ -252,8 +260,8 @@ if HAS_GLUON:
                 ttgl.store(part_ptr + (pid * 2 + slot).to(ttgl.int64) * (BN * BM) + local, acc)
                 pending = tile
                 if pid == first:  # the end of the range: nothing left to overlap the count
-                    _arrive(tile, k_steps, num_units, num_programs, part_ptr, count_ptr, local,
-                            bias_ptr, y_ptr, M, N, stride_ym, ACC, HAS_BIAS, GATED, MAX_PARTS)
+                    _arrive(tile, k_steps, num_units, num_programs, part_ptr, count_ptr, bias_ptr,
+                            y_ptr, M, N, stride_ym, BN, BM, ACC, HAS_BIAS, GATED)
                     pending = -1
         return pending
 
@@ -262,7 +270,7 @@ if HAS_GLUON:
     def _gemm_sm90_kernel(
         w_desc, x_desc, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, num_tiles, k_steps,
         stride_ym, HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr, STAGES: ttgl.constexpr,
-        SUB: ttgl.constexpr, MAX_PARTS: ttgl.constexpr, USE_PDL: ttgl.constexpr,
+        SUB: ttgl.constexpr, USE_PDL: ttgl.constexpr,
         PROBE: ttgl.constexpr = 0,
     ):  # fmt: skip
         """Program p's units [p U / P, (p + 1) U / P) of the U = num_tiles x k_steps units."""
@@ -300,8 +308,6 @@ if HAS_GLUON:
         hi = lo + count
         # one tile's units at a time: a branch inside the K loop that took the accumulator would
         # make the compiler wait for every wgmma before the next step
-        local = (ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))[:, None] * BM
-                 + ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))[None, :])
         pending = -1  # a tile whose partial this program stored and has yet to count
         for tile in range(lo // k_steps, (hi - 1) // k_steps + 1):
             seg_lo = ttgl.maximum(lo, tile * k_steps)
@@ -323,22 +329,21 @@ if HAS_GLUON:
                        GATED, STAGES, ahead < count, True, True)
                 if (pending >= 0) & (unit == seg_lo + ARRIVE_AFTER):
                     _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr,
-                            local, bias_ptr, y_ptr, M, N, stride_ym, ACC, HAS_BIAS, GATED,
-                            MAX_PARTS)
+                            bias_ptr, y_ptr, M, N, stride_ym, BN, BM, ACC, HAS_BIAS, GATED)
                     pending = -1
             acc = warpgroup_mma_wait(0, deps=(acc,))
             if pending >= 0:  # the segment was too short to count it in
-                _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr, local,
-                        bias_ptr, y_ptr, M, N, stride_ym, ACC, HAS_BIAS, GATED, MAX_PARTS)
+                _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr,
+                        bias_ptr, y_ptr, M, N, stride_ym, BN, BM, ACC, HAS_BIAS, GATED)
             if PROBE == 2:
                 seg_lo = tile * k_steps
                 seg_hi = (tile + 1) * k_steps
             pending = _finish_tile(acc, seg_lo, seg_hi - 1, lo, pid, num_programs, num_units,
-                                   k_steps, part_ptr, count_ptr, local, bias_ptr, y_ptr, M, N,
-                                   stride_ym, HAS_BIAS, GATED, MAX_PARTS)
+                                   k_steps, part_ptr, count_ptr, bias_ptr, y_ptr, M, N,
+                                   stride_ym, HAS_BIAS, GATED)
         if pending >= 0:
-            _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr, local,
-                    bias_ptr, y_ptr, M, N, stride_ym, ACC, HAS_BIAS, GATED, MAX_PARTS)
+            _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr,
+                    bias_ptr, y_ptr, M, N, stride_ym, BN, BM, ACC, HAS_BIAS, GATED)
         for s in ttgl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
@@ -352,12 +357,6 @@ def default_tiles(m: int, n: int, k: int, gated: bool = False) -> Sm90Tiles:
     """Tiles from the H100 sweep (benchmarks/results/h100/gemm_sm90.txt): 64 weight rows a
     tile, 128-deep K steps in 6 stages; gated, 128 rows (64 gate, 64 up: see _store_tile)."""
     return Sm90Tiles(128, 128, 4) if gated else Sm90Tiles(64, 128, 6)
-
-
-def max_programs_per_tile(units: int, programs: int, k_steps: int) -> int:
-    """The most programs whose unit ranges [p units / programs, (p + 1) units / programs) meet
-    one tile's k_steps units: a range holds at least units // programs of them."""
-    return min(programs, -(-(k_steps - 1) // (units // programs)) + 1)
 
 
 def gemm_sm90_applies(x: torch.Tensor, w: torch.Tensor, tiles: Sm90Tiles | None = None,
@@ -402,7 +401,6 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     assert num_tiles <= COUNTER_CAPACITY, f"N={n}: more tiles than the arrival counters"
     units = num_tiles * k_steps
     num_programs = min(programs or num_sms(x.device), units)
-    max_parts = max_programs_per_tile(units, num_programs, k_steps)
     dtype = _GL_DTYPES[x.dtype]
     w_block = [rows_out, BOX_K]
     x_block = [block_m, BOX_K]
@@ -416,7 +414,7 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     _gemm_sm90_kernel[(num_programs,)](
         w_desc, x_desc, bias if bias is not None else y, y, parts, arrival_counters(x.device),
         m, n, num_tiles, k_steps, y.stride(0), HAS_BIAS=bias is not None, GATED=gated,
-        STAGES=tiles.stages, SUB=tiles.block_k // BOX_K, MAX_PARTS=max_parts,
+        STAGES=tiles.stages, SUB=tiles.block_k // BOX_K,
         USE_PDL=launch["USE_PDL"], PROBE=int(os.environ.get("PROBE", "0")),
         num_warps=tiles.num_warps,
         launch_pdl=launch["launch_pdl"],
@@ -425,8 +423,7 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def compile_gemm_sm90(tiles: Sm90Tiles, block_m: int, dtype: str = "bf16", out_dtype: str = "bf16",
-                      gated: bool = False, has_bias: bool = False, use_pdl: bool = True,
-                      max_parts: int = 4):
+                      gated: bool = False, has_bias: bool = False, use_pdl: bool = True):
     """The kernel compiled for sm_90 on any host (_gluon.compile_sm90)."""
     w_block = [tiles.block_n // 2 if gated else tiles.block_n, BOX_K]
     x_block = [block_m, BOX_K]
@@ -436,6 +433,6 @@ def compile_gemm_sm90(tiles: Sm90Tiles, block_m: int, dtype: str = "bf16", out_d
            "count_ptr": "*i32", "M": "i32", "N": "i32", "num_tiles": "i32", "k_steps": "i32",
            "stride_ym": "i32"}
     consts = dict(HAS_BIAS=has_bias, GATED=gated, STAGES=tiles.stages,
-                  SUB=tiles.block_k // BOX_K, MAX_PARTS=max_parts, USE_PDL=use_pdl, PROBE=0)
+                  SUB=tiles.block_k // BOX_K, USE_PDL=use_pdl, PROBE=0)
     return compile_sm90(_gemm_sm90_kernel, sig, consts, tiles.num_warps,
                         unspecialized=("M", "N", "num_tiles", "k_steps"))
