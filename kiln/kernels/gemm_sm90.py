@@ -114,7 +114,7 @@ if HAS_GLUON:
     @_jit
     def _issue(w_desc, x_desc, w_bufs, x_bufs, bars, unit, i, k_steps, half_n,
                GATED: ttgl.constexpr, STAGES: ttgl.constexpr, pred, LOAD_W: ttgl.constexpr,
-               LOAD_X: ttgl.constexpr):
+               LOAD_X: ttgl.constexpr, NO_X: ttgl.constexpr = False):
         """TMA copies of work unit ``unit`` (tile unit // k_steps, K step unit % k_steps) into
         ring stage i % STAGES: its weights (LOAD_W; the stage's mbarrier told to expect the
         whole unit) and its x tile (LOAD_X). Gated: gate rows into the tile's first half, up rows
@@ -126,7 +126,8 @@ if HAS_GLUON:
         SUB: ttgl.constexpr = w_bufs.shape[0] // STAGES
         W_BYTES: ttgl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
         if LOAD_W:
-            mbarrier.expect(bar, SUB * (W_BYTES + x_desc.block_type.nbytes), pred=pred)
+            X_BYTES: ttgl.constexpr = 0 if NO_X else x_desc.block_type.nbytes
+            mbarrier.expect(bar, SUB * (W_BYTES + X_BYTES), pred=pred)
         row = (unit // k_steps) * BN_LOAD
         for j in ttgl.static_range(SUB):
             k = ((unit % k_steps) * SUB + j) * BOX
@@ -138,7 +139,7 @@ if HAS_GLUON:
                              pred)
                 else:
                     tma_load(w_desc, [row, k], bar, w_buf, pred)
-            if LOAD_X:
+            if LOAD_X and not NO_X:
                 tma_load(x_desc, [0, k], bar, x_bufs.index(stage * SUB + j), pred)
 
     @_jit
@@ -175,22 +176,6 @@ if HAS_GLUON:
         ttgl.store(ptrs, y.to(dt), mask=(cols < n_valid)[:, None] & (rows < M)[None, :])
 
     @_jit
-    def _add_parts(acc, part_ptr, local, first, last, skip, tile_lo, num_units, num_programs,
-                   UNROLL: ttgl.constexpr):
-        """acc + the stored partials of programs first..last but ``skip`` (-1: none), in program
-        order, UNROLL loads at a time in flight (one L2 round trip for that many programs)."""
-        BLOCK: ttgl.constexpr = acc.shape[0] * acc.shape[1]
-        total = acc
-        for base in range(first, last + 1, UNROLL):
-            for j in ttgl.static_range(UNROLL):
-                q = base + j
-                slot = ((q * num_units) // num_programs < tile_lo).to(ttgl.int32)
-                total += ttgl.load(part_ptr + (q * 2 + slot).to(ttgl.int64) * BLOCK + local,
-                                   mask=(local >= 0) & (q <= last) & (q != skip), other=0.0,
-                                   cache_modifier=".cg")
-        return total
-
-    @_jit
     def _tile_offsets(BN: ttgl.constexpr, BM: ttgl.constexpr, ACC: ttgl.constexpr):
         """[BN, BM] offsets of a partial tile's elements (rebuilt where needed: kept live
         through the K loop they would take registers from it)."""
@@ -198,71 +183,65 @@ if HAS_GLUON:
                 + ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))[None, :])
 
     @_jit
-    def _tile_programs(tile_lo, k_steps, num_units, num_programs):
-        """The first and last program whose unit ranges meet the tile starting at unit tile_lo."""
-        first = ((tile_lo + 1) * num_programs - 1) // num_units
-        last = ((tile_lo + k_steps) * num_programs - 1) // num_units
-        return first, last
+    def _part_ptrs(part_ptr, q, tile_lo, num_units, num_programs, local):
+        """Where program q keeps its partial of the tile starting at unit tile_lo: slot 0 if
+        the tile holds the start of q's range, else slot 1 (it holds the end)."""
+        slot = ((q * num_units) // num_programs < tile_lo).to(ttgl.int32)
+        return part_ptr + (q * 2 + slot).to(ttgl.int64) * (local.shape[0] * local.shape[1]) + local
 
     @_jit
-    def _arrive(tile, k_steps, num_units, num_programs, part_ptr, count_ptr, bias_ptr, y_ptr,
-                M, N, stride_ym, BN: ttgl.constexpr, BM: ttgl.constexpr, ACC: ttgl.constexpr,
-                HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr):
-        """Count this program's stored partial of ``tile``; the last to arrive sums them all."""
-        local = _tile_offsets(BN, BM, ACC)
-        tile_lo = tile * k_steps
-        first, last = _tile_programs(tile_lo, k_steps, num_units, num_programs)
+    def _arrive(tile, count_ptr):
+        """Count this program's stored partial of ``tile`` (release: the stores before it)."""
         cta_barrier()  # every thread's partial stored before the arrival is counted
-        if ttgl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == last - first:
-            # rarely the last (the tile's first program usually is): one load at a time, in
-            # the registers the K loop leaves
-            total = _add_parts(ttgl.zeros([BN, BM], ttgl.float32, ACC), part_ptr, local, first,
-                               last, -1, tile_lo, num_units, num_programs, 1)
-            _store_tile(total, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
-            ttgl.atomic_xchg(count_ptr + tile, 0)
+        ttgl.atomic_add(count_ptr + tile, 1, sem="release")
 
     @_jit
-    def _finish_tile(acc, seg_lo, unit, lo, pid, num_programs, num_units, k_steps,
+    def _finish_tile(acc, seg_lo, seg_hi, lo, pid, num_programs, num_units, k_steps,
                      part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym,
                      HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr):
-        """The program's units [seg_lo, unit] of one tile are in acc: store the tile if they are
-        all of its K steps, else combine the tile's partials. Returns the tile if this program
-        stored its partial and has yet to count it (_arrive), else -1.
+        """The program's units [seg_lo, seg_hi) of one tile are in acc: store the tile if they
+        are all of its K steps, else take part in summing the tile's partials. Returns the tile
+        if this program stored its partial and has yet to count it (_arrive), else -1.
 
-        The tile's programs are first..last (those holding its first and its last unit), and
-        the sum is theirs in that order. Each but the first stores its partial and counts it
-        (the tile starts its range, so it does that early: a unit or two into its next tile,
-        once the stores have landed, so that the count's fence does not stall the stream). The
-        first (the tile ends its range: it usually comes last) adds the others' partials to
-        its accumulator if they have all arrived; else it stores and counts too, and whoever
-        arrives last sums the stored partials."""
+        The tile's programs are first..last (those holding its first and its last unit). Each
+        runs its range backwards, so ``last`` reaches the tile at the end of its run and every
+        other one earlier (the tile holds the end of their ranges). Each but ``last`` stores its
+        partial and counts it, a few K steps into its next tile, once the stores have landed (so
+        that the count's fence does not stall the stream). ``last`` waits for the count, then
+        adds the partials in program order and its own accumulator after them. It waits only
+        on programs of lower index, which the GPU starts no later than itself: no deadlock
+        even where the programs do not all fit on the GPU at once."""
         BN: ttgl.constexpr = acc.shape[0]
         BM: ttgl.constexpr = acc.shape[1]
         ACC: ttgl.constexpr = acc.type.layout
-        tile = unit // k_steps
+        tile = seg_lo // k_steps
         tile_lo = tile * k_steps
         pending = -1
-        if (seg_lo == tile_lo) & (unit + 1 == tile_lo + k_steps):
+        if (seg_lo == tile_lo) & (seg_hi == tile_lo + k_steps):
             _store_tile(acc, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
         else:
-            first, last = _tile_programs(tile_lo, k_steps, num_units, num_programs)
+            first = ((tile_lo + 1) * num_programs - 1) // num_units
+            last = ((tile_lo + k_steps) * num_programs - 1) // num_units
             local = _tile_offsets(BN, BM, ACC)
-            arrived = -1
-            if pid == first:
-                arrived = ttgl.atomic_add(count_ptr + tile, 0, sem="acquire")  # a read
-            if arrived == last - first:  # the first, with every other partial stored
-                total = _add_parts(acc, part_ptr, local, first, last, pid, tile_lo, num_units,
-                                   num_programs, _loads_in_flight(BN * BM, ttgl.num_warps()))
-                _store_tile(total, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
-                ttgl.atomic_xchg(count_ptr + tile, 0)
+            if pid == last:
+                counter = count_ptr + tile
+                while ttgl.atomic_add(counter, 0, sem="acquire") < last - first:
+                    pass
+                UNROLL: ttgl.constexpr = _loads_in_flight(BN * BM, ttgl.num_warps())
+                total = ttgl.zeros([BN, BM], ttgl.float32, ACC)
+                for base in range(first, last, UNROLL):  # UNROLL loads in flight at a time
+                    for j in ttgl.static_range(UNROLL):
+                        q = base + j
+                        total += ttgl.load(
+                            _part_ptrs(part_ptr, q, tile_lo, num_units, num_programs, local),
+                            mask=(local >= 0) & (q < last), other=0.0, cache_modifier=".cg")
+                _store_tile(total + acc, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS,
+                            GATED)
+                ttgl.atomic_xchg(counter, 0)
             else:
-                slot = (seg_lo != lo).to(ttgl.int32)  # 0: the range's first tile, 1: its last
-                ttgl.store(part_ptr + (pid * 2 + slot).to(ttgl.int64) * (BN * BM) + local, acc)
+                ttgl.store(_part_ptrs(part_ptr, pid, tile_lo, num_units, num_programs, local),
+                           acc)
                 pending = tile
-                if pid == first:  # the end of the range: nothing left to overlap the count
-                    _arrive(tile, k_steps, num_units, num_programs, part_ptr, count_ptr, bias_ptr,
-                            y_ptr, M, N, stride_ym, BN, BM, ACC, HAS_BIAS, GATED)
-                    pending = -1
         return pending
 
     # the batch size changes every step and the unit counts with the layer: one compile serves
@@ -297,27 +276,29 @@ if HAS_GLUON:
         # the first units' weights before the PDL wait (they never depend on the kernel before),
         # their x tiles (the kernel before's output) after it
         for j in ttgl.static_range(STAGES - 1):
-            _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + j, j, k_steps, half_n, GATED,
-                   STAGES, j < count, True, False)
+            _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + count - 1 - j, j, k_steps, half_n,
+                   GATED, STAGES, j < count, True, False, (PROBE & 4) != 0)
         if USE_PDL:  # x and the counters are the kernel before's to finish with
             gdc(True)
             gdc(False)
         for j in ttgl.static_range(STAGES - 1):
-            _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + j, j, k_steps, half_n, GATED,
-                   STAGES, j < count, False, True)
+            _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + count - 1 - j, j, k_steps, half_n,
+                   GATED, STAGES, j < count, False, True, (PROBE & 4) != 0)
         hi = lo + count
         # one tile's units at a time: a branch inside the K loop that took the accumulator would
         # make the compiler wait for every wgmma before the next step
         pending = -1  # a tile whose partial this program stored and has yet to count
-        for tile in range(lo // k_steps, (hi - 1) // k_steps + 1):
+        # the range backwards, one tile's units at a time (a branch inside the K loop that took
+        # the accumulator would make the compiler wait for every wgmma before the next step)
+        for tile in range((hi - 1) // k_steps, lo // k_steps - 1, -1):
             seg_lo = ttgl.maximum(lo, tile * k_steps)
             seg_hi = ttgl.minimum(hi, (tile + 1) * k_steps)
             acc = ttgl.zeros([BN, BM], ttgl.float32, ACC)
-            for unit in range(seg_lo, seg_hi):
-                i = unit - lo
+            for unit in range(seg_hi - 1, seg_lo - 1, -1):
+                i = hi - 1 - unit  # units done before this one
                 stage = i % STAGES
                 mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-                if PROBE != 1:
+                if (PROBE & 1) == 0:
                     for j in ttgl.static_range(SUB):
                         acc = warpgroup_mma(w_bufs.index(stage * SUB + j),
                                             x_bufs.index(stage * SUB + j).permute((1, 0)), acc,
@@ -325,25 +306,22 @@ if HAS_GLUON:
                 # step i - 1's wgmmas are done: its stage takes unit i + STAGES - 1
                 acc = warpgroup_mma_wait(1, deps=(acc,))
                 ahead = i + STAGES - 1
-                _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + ahead, ahead, k_steps, half_n,
-                       GATED, STAGES, ahead < count, True, True)
-                if (pending >= 0) & (unit == seg_lo + ARRIVE_AFTER):
-                    _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr,
-                            bias_ptr, y_ptr, M, N, stride_ym, BN, BM, ACC, HAS_BIAS, GATED)
+                _issue(w_desc, x_desc, w_bufs, x_bufs, bars, hi - 1 - ahead, ahead, k_steps,
+                       half_n, GATED, STAGES, ahead < count, True, True, (PROBE & 4) != 0)
+                if (pending >= 0) & (unit == seg_hi - 1 - ARRIVE_AFTER):
+                    _arrive(pending, count_ptr)
                     pending = -1
             acc = warpgroup_mma_wait(0, deps=(acc,))
             if pending >= 0:  # the segment was too short to count it in
-                _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr,
-                        bias_ptr, y_ptr, M, N, stride_ym, BN, BM, ACC, HAS_BIAS, GATED)
-            if PROBE == 2:
+                _arrive(pending, count_ptr)
+            if (PROBE & 2) != 0:
                 seg_lo = tile * k_steps
                 seg_hi = (tile + 1) * k_steps
-            pending = _finish_tile(acc, seg_lo, seg_hi - 1, lo, pid, num_programs, num_units,
+            pending = _finish_tile(acc, seg_lo, seg_hi, lo, pid, num_programs, num_units,
                                    k_steps, part_ptr, count_ptr, bias_ptr, y_ptr, M, N,
                                    stride_ym, HAS_BIAS, GATED)
         if pending >= 0:
-            _arrive(pending, k_steps, num_units, num_programs, part_ptr, count_ptr,
-                    bias_ptr, y_ptr, M, N, stride_ym, BN, BM, ACC, HAS_BIAS, GATED)
+            _arrive(pending, count_ptr)
         for s in ttgl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
