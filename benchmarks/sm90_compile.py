@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
+    parser.add_argument("--rows", type=int, default=0, help="gemm_sm90: weight rows a tile")
     for flag in ("per-channel", "fp8", "gated"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
@@ -110,7 +111,7 @@ def main() -> None:
     a.block_m = a.block_m or (256 if a.kernel == "wint_mma" else 64)
     a.block_k = a.block_k or (64 if a.kernel == "gemm_sm90" else 128)
     if a.kernel == "gemm_sm90":  # Gluon: its own compile helper
-        tiles = gemm_sm90.Sm90Tiles(a.block_n, a.block_k, a.stages, a.warps)
+        tiles = gemm_sm90.Sm90Tiles(a.block_n, a.block_k, a.stages, a.warps, a.rows)
         report(a, gemm_sm90.compile_gemm_sm90(tiles, a.block_m, gated=a.gated))
         return
     fn, sig, consts = (wint_mma_variant if a.kernel == "wint_mma" else gemm_variant)(a)

@@ -31,7 +31,7 @@ every run.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,14 +63,17 @@ _GL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
 
 @dataclass(frozen=True)
 class Sm90Tiles:
-    """block_n weight rows an output tile (wgmma's M: 64 per warpgroup step; a gated tile takes
-    block_n / 2 gate and block_n / 2 up rows), block_k K a step (in boxes of BOX_K: 128 bytes of a
-    row, TMA's     widest swizzle), stages TMA ring depth, num_warps 4 (one warpgroup) or 8."""
+    """block_n rows of the wgmma (its M: 64 a warpgroup) and rows the weight rows an output tile
+    takes (0: block_n; a gated tile: ``rows`` gate rows in the first half of block_n, as many up
+    rows in the second; fewer rows than the wgmma's leave the rest of its rows unused), block_k
+    K a step (in boxes of BOX_K: 128 bytes of a row, TMA's widest swizzle), stages TMA ring
+    depth, num_warps 4 (one warpgroup) or 8."""
 
-    block_n: int = 128
-    block_k: int = 64
+    block_n: int = 64
+    block_k: int = 128
     stages: int = 6
     num_warps: int = 4
+    rows: int = 0
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_n < 16 * self.num_warps:
@@ -82,11 +85,18 @@ class Sm90Tiles:
         if self.num_warps not in (4, 8) or self.stages < 2:
             raise ValueError(f"num_warps={self.num_warps}, stages={self.stages}: 4 or 8 warps, "
                              f"at least 2 stages")
+        if self.rows % 16 or self.rows > self.block_n:
+            raise ValueError(f"rows={self.rows}: a multiple of 16 (TMA boxes of 16 rows), at "
+                             f"most block_n={self.block_n}")
+
+    def tile_rows(self, gated: bool) -> int:
+        """Output columns a tile: weight rows, or gate / up row pairs."""
+        full = self.block_n // 2 if gated else self.block_n
+        return min(self.rows, full) if self.rows else full
 
     def smem_bytes(self, block_m: int) -> int:
         """Ring (weights + x, 16-bit) + the epilogue's float32 tile + mbarriers."""
-        return (self.stages * (self.block_n + block_m) * self.block_k * 2
-                + self.block_n * block_m * 4 + 8 * self.stages)
+        return self.stages * ((self.block_n + block_m) * self.block_k * 2 + 8)
 
 
 def block_m_for(m: int) -> int:
@@ -113,48 +123,52 @@ if HAS_GLUON:
 
     @_jit
     def _issue(w_desc, x_desc, w_bufs, x_bufs, bars, unit, i, k_steps, half_n,
-               GATED: ttgl.constexpr, STAGES: ttgl.constexpr, pred, LOAD_W: ttgl.constexpr,
-               LOAD_X: ttgl.constexpr, NO_X: ttgl.constexpr = False):
+               ROWS: ttgl.constexpr, GATED: ttgl.constexpr, STAGES: ttgl.constexpr, pred,
+               LOAD_W: ttgl.constexpr, LOAD_X: ttgl.constexpr, NO_X: ttgl.constexpr = False):
         """TMA copies of work unit ``unit`` (tile unit // k_steps, K step unit % k_steps) into
-        ring stage i % STAGES: its weights (LOAD_W; the stage's mbarrier told to expect the
-        whole unit) and its x tile (LOAD_X). Gated: gate rows into the tile's first half, up rows
-        (half_n further) into its second."""
+        ring stage i % STAGES: its ROWS weight rows, in boxes of the descriptor's rows (LOAD_W;
+        the stage's mbarrier told to expect the whole unit) and its x tile (LOAD_X). Gated: gate
+        rows into the wgmma tile's first half, up rows (half_n further) into its second."""
         stage = i % STAGES
         bar = bars.index(stage)
-        BN_LOAD: ttgl.constexpr = w_desc.block_type.shape[0]
+        BOX_ROWS: ttgl.constexpr = w_desc.block_type.shape[0]
+        BOXES: ttgl.constexpr = ROWS // BOX_ROWS
+        BN: ttgl.constexpr = w_bufs.shape[1]  # rows of the wgmma
         BOX: ttgl.constexpr = w_desc.block_type.shape[1]
         SUB: ttgl.constexpr = w_bufs.shape[0] // STAGES
-        W_BYTES: ttgl.constexpr = w_desc.block_type.nbytes * (2 if GATED else 1)
+        W_BYTES: ttgl.constexpr = w_desc.block_type.nbytes * BOXES * (2 if GATED else 1)
         if LOAD_W:
             X_BYTES: ttgl.constexpr = 0 if NO_X else x_desc.block_type.nbytes
             mbarrier.expect(bar, SUB * (W_BYTES + X_BYTES), pred=pred)
-        row = (unit // k_steps) * BN_LOAD
+        row = (unit // k_steps) * ROWS
         for j in ttgl.static_range(SUB):
             k = ((unit % k_steps) * SUB + j) * BOX
             if LOAD_W:
                 w_buf = w_bufs.index(stage * SUB + j)
-                if GATED:
-                    tma_load(w_desc, [row, k], bar, w_buf.slice(0, BN_LOAD), pred)
-                    tma_load(w_desc, [half_n + row, k], bar, w_buf.slice(BN_LOAD, BN_LOAD),
-                             pred)
-                else:
-                    tma_load(w_desc, [row, k], bar, w_buf, pred)
+                for b in ttgl.static_range(BOXES):
+                    tma_load(w_desc, [row + b * BOX_ROWS, k], bar,
+                             w_buf.slice(b * BOX_ROWS, BOX_ROWS), pred)
+                    if GATED:
+                        tma_load(w_desc, [half_n + row + b * BOX_ROWS, k], bar,
+                                 w_buf.slice(BN // 2 + b * BOX_ROWS, BOX_ROWS), pred)
             if LOAD_X and not NO_X:
                 tma_load(x_desc, [0, k], bar, x_bufs.index(stage * SUB + j), pred)
 
     @_jit
-    def _store_tile(acc, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: ttgl.constexpr,
-                    GATED: ttgl.constexpr):
-        """acc [BN, BM] float32 (y^T of output tile ``tile``) -> y [M, N or N / 2], straight from
-        the registers. Gated, acc's first half holds the gate rows and its second the up rows,
-        and a thread holds row r of each (the wgmma layout repeats every 16 x num_warps rows)."""
+    def _store_tile(acc, tile, bias_ptr, y_ptr, M, N, stride_ym, ROWS: ttgl.constexpr,
+                    HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr):
+        """acc [BN, BM] float32 (y^T of output tile ``tile``, its first ROWS rows) -> y [M, N or
+        N / 2], straight from the registers. Gated, acc's first half holds the gate rows and its
+        second the up rows, and a thread holds row r of each (the wgmma layout repeats every
+        16 x num_warps rows)."""
         BN: ttgl.constexpr = acc.shape[0]
         BM: ttgl.constexpr = acc.shape[1]
         dt: ttgl.constexpr = y_ptr.dtype.element_ty
         if GATED:
             gate, up = ttgl.split(ttgl.permute(ttgl.reshape(acc, [2, BN // 2, BM]), (1, 2, 0)))
             L: ttgl.constexpr = gate.type.layout
-            cols = tile * (BN // 2) + ttgl.arange(0, BN // 2, layout=ttgl.SliceLayout(1, L))
+            local = ttgl.arange(0, BN // 2, layout=ttgl.SliceLayout(1, L))
+            cols = tile * ROWS + local
             rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, L))
             n_valid = N // 2
             if HAS_BIAS:
@@ -165,7 +179,8 @@ if HAS_GLUON:
             y = silu_mul(gate, up, dt)
         else:
             ACC: ttgl.constexpr = acc.type.layout
-            cols = tile * BN + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))
+            local = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))
+            cols = tile * ROWS + local
             rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))
             y = acc
             n_valid = N
@@ -173,7 +188,8 @@ if HAS_GLUON:
                 y += ttgl.load(bias_ptr + cols, mask=cols < n_valid, other=0.0).to(
                     ttgl.float32)[:, None]
         ptrs = y_ptr + rows[None, :].to(ttgl.int64) * stride_ym + cols[:, None]
-        ttgl.store(ptrs, y.to(dt), mask=(cols < n_valid)[:, None] & (rows < M)[None, :])
+        col_mask = (local < ROWS) & (cols < n_valid)
+        ttgl.store(ptrs, y.to(dt), mask=col_mask[:, None] & (rows < M)[None, :])
 
     @_jit
     def _tile_offsets(BN: ttgl.constexpr, BM: ttgl.constexpr, ACC: ttgl.constexpr):
@@ -197,7 +213,7 @@ if HAS_GLUON:
 
     @_jit
     def _finish_tile(acc, seg_lo, seg_hi, lo, pid, num_programs, num_units, k_steps,
-                     part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym,
+                     part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym, ROWS: ttgl.constexpr,
                      HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr):
         """The program's units [seg_lo, seg_hi) of one tile are in acc: store the tile if they
         are all of its K steps, else take part in summing the tile's partials. Returns the tile
@@ -218,7 +234,7 @@ if HAS_GLUON:
         tile_lo = tile * k_steps
         pending = -1
         if (seg_lo == tile_lo) & (seg_hi == tile_lo + k_steps):
-            _store_tile(acc, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED)
+            _store_tile(acc, tile, bias_ptr, y_ptr, M, N, stride_ym, ROWS, HAS_BIAS, GATED)
         else:
             first = ((tile_lo + 1) * num_programs - 1) // num_units
             last = ((tile_lo + k_steps) * num_programs - 1) // num_units
@@ -235,8 +251,8 @@ if HAS_GLUON:
                         total += ttgl.load(
                             _part_ptrs(part_ptr, q, tile_lo, num_units, num_programs, local),
                             mask=(local >= 0) & (q < last), other=0.0, cache_modifier=".cg")
-                _store_tile(total + acc, tile, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS,
-                            GATED)
+                _store_tile(total + acc, tile, bias_ptr, y_ptr, M, N, stride_ym, ROWS,
+                            HAS_BIAS, GATED)
                 ttgl.atomic_xchg(counter, 0)
             else:
                 ttgl.store(_part_ptrs(part_ptr, pid, tile_lo, num_units, num_programs, local),
@@ -249,12 +265,10 @@ if HAS_GLUON:
     def _gemm_sm90_kernel(
         w_desc, x_desc, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, num_tiles, k_steps,
         stride_ym, HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr, STAGES: ttgl.constexpr,
-        SUB: ttgl.constexpr, USE_PDL: ttgl.constexpr,
+        SUB: ttgl.constexpr, BN: ttgl.constexpr, ROWS: ttgl.constexpr, USE_PDL: ttgl.constexpr,
         PROBE: ttgl.constexpr = 0,
     ):  # fmt: skip
         """Program p's units [p U / P, (p + 1) U / P) of the U = num_tiles x k_steps units."""
-        BN_LOAD: ttgl.constexpr = w_desc.block_type.shape[0]
-        BN: ttgl.constexpr = BN_LOAD * 2 if GATED else BN_LOAD
         BOX: ttgl.constexpr = w_desc.block_type.shape[1]
         BM: ttgl.constexpr = x_desc.block_type.shape[0]
         dt: ttgl.constexpr = w_desc.dtype
@@ -277,13 +291,13 @@ if HAS_GLUON:
         # their x tiles (the kernel before's output) after it
         for j in ttgl.static_range(STAGES - 1):
             _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + count - 1 - j, j, k_steps, half_n,
-                   GATED, STAGES, j < count, True, False, (PROBE & 4) != 0)
+                   ROWS, GATED, STAGES, j < count, True, False, (PROBE & 4) != 0)
         if USE_PDL:  # x and the counters are the kernel before's to finish with
             gdc(True)
             gdc(False)
         for j in ttgl.static_range(STAGES - 1):
             _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + count - 1 - j, j, k_steps, half_n,
-                   GATED, STAGES, j < count, False, True, (PROBE & 4) != 0)
+                   ROWS, GATED, STAGES, j < count, False, True, (PROBE & 4) != 0)
         hi = lo + count
         # one tile's units at a time: a branch inside the K loop that took the accumulator would
         # make the compiler wait for every wgmma before the next step
@@ -307,7 +321,7 @@ if HAS_GLUON:
                 acc = warpgroup_mma_wait(1, deps=(acc,))
                 ahead = i + STAGES - 1
                 _issue(w_desc, x_desc, w_bufs, x_bufs, bars, hi - 1 - ahead, ahead, k_steps,
-                       half_n, GATED, STAGES, ahead < count, True, True, (PROBE & 4) != 0)
+                       half_n, ROWS, GATED, STAGES, ahead < count, True, True, (PROBE & 4) != 0)
                 if (pending >= 0) & (unit == seg_hi - 1 - ARRIVE_AFTER):
                     _arrive(pending, count_ptr)
                     pending = -1
@@ -319,7 +333,7 @@ if HAS_GLUON:
                 seg_hi = (tile + 1) * k_steps
             pending = _finish_tile(acc, seg_lo, seg_hi, lo, pid, num_programs, num_units,
                                    k_steps, part_ptr, count_ptr, bias_ptr, y_ptr, M, N,
-                                   stride_ym, HAS_BIAS, GATED)
+                                   stride_ym, ROWS, HAS_BIAS, GATED)
         if pending >= 0:
             _arrive(pending, count_ptr)
         for s in ttgl.static_range(STAGES):
@@ -331,10 +345,31 @@ def _shared_layout(block: list[int], dtype: str):
                                                                        "fp16": "float16"}[dtype]))
 
 
-def default_tiles(m: int, n: int, k: int, gated: bool = False) -> Sm90Tiles:
-    """Tiles from the H100 sweep (benchmarks/results/h100/gemm_sm90.txt): 64 weight rows a
-    tile, 128-deep K steps in 6 stages; gated, 128 rows (64 gate, 64 up: see _store_tile)."""
-    return Sm90Tiles(128, 128, 4) if gated else Sm90Tiles(64, 128, 6)
+def default_tiles(n_out: int, gated: bool, sms: int) -> Sm90Tiles:
+    """From the H100 sweeps (benchmarks/results/h100/gemm_sm90.txt): 64 wgmma rows, 128-deep K
+    steps in 6 stages (gated: 128 rows, 64 gate and 64 up, 4 stages), and as many weight rows a
+    tile, from those down to half, as make the tiles a multiple of a program count within 10%
+    of the SMs:
+    every program then takes whole tiles and no partial sums are needed (Llama-3.1-8B: qkv 48
+    rows, 128 tiles; o_proj and down_proj 32, 128; gate_up 56, 256)."""
+    base = Sm90Tiles(128, 128, 4) if gated else Sm90Tiles(64, 128, 6)
+    full = base.tile_rows(gated)
+    for rows in range(full, full // 2 - 1, -16):  # (narrower: more x per weight byte)
+        if even_programs(-(-n_out // rows), sms):
+            return replace(base, rows=rows)
+    return base
+
+
+def _box_rows(rows: int) -> int:
+    """Rows of a weight TMA box: the tile's, or 16 where they are no power of two (a
+    descriptor's block is)."""
+    return rows if rows & (rows - 1) == 0 else 16
+
+
+def even_programs(num_tiles: int, sms: int) -> int | None:
+    """The most programs, at most ``sms`` and at least 90% of them, that share num_tiles
+    evenly; None if none do."""
+    return next((p for p in range(sms, -(-9 * sms // 10) - 1, -1) if num_tiles % p == 0), None)
 
 
 def gemm_sm90_applies(x: torch.Tensor, w: torch.Tensor, tiles: Sm90Tiles | None = None,
@@ -347,7 +382,8 @@ def gemm_sm90_applies(x: torch.Tensor, w: torch.Tensor, tiles: Sm90Tiles | None 
     if torch.cuda.get_device_capability(x.device)[0] != 9:  # wgmma is Hopper's
         return False
     m, k = x.shape
-    tiles = tiles or default_tiles(m, w.shape[0], k, gated)
+    tiles = tiles or default_tiles(w.shape[0] // 2 if gated else w.shape[0], gated,
+                                   num_sms(x.device))
     return (x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
             and 1 <= m <= MAX_M and w.shape[1] == k and k % tiles.block_k == 0
             and x.stride(1) == 1 and w.stride(1) == 1
@@ -361,10 +397,13 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
               tiles: Sm90Tiles | None = None, programs: int | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ bias) -> y [M, N] in out_dtype (x.dtype by default); gated:
     w is a merged [gate; up] projection and y [M, N / 2] = silu(gate) * up. programs: how many
-    share the work (default: one per SM; tests take fewer to exercise shared tiles)."""
+    share the work (default: as many as share the tiles evenly (even_programs), else one per
+    SM; tests take other counts to exercise shared tiles)."""
     m, k = x.shape
     n = w.shape[0]
-    tiles = tiles or default_tiles(m, n, k, gated)
+    n_out = n // 2 if gated else n
+    sms = num_sms(x.device)
+    tiles = tiles or default_tiles(n_out, gated, sms)
     assert gemm_sm90_applies(x, w, tiles), "gemm_sm90 does not take these inputs"
     assert not gated or n % 2 == 0, f"a gated projection has an even number of rows, not {n}"
     if gated and tiles.block_n != 32 * tiles.num_warps:
@@ -373,14 +412,14 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     out_dtype = out_dtype or x.dtype
     y = torch.empty(m, n // 2 if gated else n, dtype=out_dtype, device=x.device)
     block_m = block_m_for(m)
-    rows_out = tiles.block_n // 2 if gated else tiles.block_n  # output columns a tile
-    num_tiles = -(-(n // 2 if gated else n) // rows_out)
+    rows_out = tiles.tile_rows(gated)  # output columns a tile
+    num_tiles = -(-n_out // rows_out)
     k_steps = k // tiles.block_k
     assert num_tiles <= COUNTER_CAPACITY, f"N={n}: more tiles than the arrival counters"
     units = num_tiles * k_steps
-    num_programs = min(programs or num_sms(x.device), units)
+    num_programs = min(programs or even_programs(num_tiles, sms) or sms, units)
     dtype = _GL_DTYPES[x.dtype]
-    w_block = [rows_out, BOX_K]
+    w_block = [_box_rows(rows_out), BOX_K]
     x_block = [block_m, BOX_K]
     w_desc = GluonTensorDescriptor(w, [n, k], [w.stride(0), 1], w_block,
                                    _shared_layout(w_block, dtype))
@@ -392,7 +431,7 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     _gemm_sm90_kernel[(num_programs,)](
         w_desc, x_desc, bias if bias is not None else y, y, parts, arrival_counters(x.device),
         m, n, num_tiles, k_steps, y.stride(0), HAS_BIAS=bias is not None, GATED=gated,
-        STAGES=tiles.stages, SUB=tiles.block_k // BOX_K,
+        STAGES=tiles.stages, SUB=tiles.block_k // BOX_K, BN=tiles.block_n, ROWS=rows_out,
         USE_PDL=launch["USE_PDL"], PROBE=int(os.environ.get("PROBE", "0")),
         num_warps=tiles.num_warps,
         launch_pdl=launch["launch_pdl"],
@@ -403,7 +442,7 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 def compile_gemm_sm90(tiles: Sm90Tiles, block_m: int, dtype: str = "bf16", out_dtype: str = "bf16",
                       gated: bool = False, has_bias: bool = False, use_pdl: bool = True):
     """The kernel compiled for sm_90 on any host (_gluon.compile_sm90)."""
-    w_block = [tiles.block_n // 2 if gated else tiles.block_n, BOX_K]
+    w_block = [_box_rows(tiles.tile_rows(gated)), BOX_K]
     x_block = [block_m, BOX_K]
     sig = {"w_desc": f"tensordesc<{dtype}{w_block},{_shared_layout(w_block, dtype)!r}>",
            "x_desc": f"tensordesc<{dtype}{x_block},{_shared_layout(x_block, dtype)!r}>",
@@ -411,6 +450,7 @@ def compile_gemm_sm90(tiles: Sm90Tiles, block_m: int, dtype: str = "bf16", out_d
            "count_ptr": "*i32", "M": "i32", "N": "i32", "num_tiles": "i32", "k_steps": "i32",
            "stride_ym": "i32"}
     consts = dict(HAS_BIAS=has_bias, GATED=gated, STAGES=tiles.stages,
-                  SUB=tiles.block_k // BOX_K, USE_PDL=use_pdl, PROBE=0)
+                  SUB=tiles.block_k // BOX_K, BN=tiles.block_n, ROWS=tiles.tile_rows(gated),
+                  USE_PDL=use_pdl, PROBE=0)
     return compile_sm90(_gemm_sm90_kernel, sig, consts, tiles.num_warps,
                         unspecialized=("M", "N", "num_tiles", "k_steps"))
