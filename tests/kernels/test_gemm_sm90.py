@@ -105,13 +105,15 @@ def test_gpu_rows_do_not_depend_on_the_batch():
 
 
 @gpu
-@pytest.mark.parametrize("tiles", [g.Sm90Tiles(stages=2), g.Sm90Tiles(block_k=128, stages=4),
-                                   g.Sm90Tiles(block_n=256, stages=3, num_warps=8),
-                                   g.Sm90Tiles(block_n=64, block_k=256, stages=3)])
+@pytest.mark.parametrize("tiles", [
+    g.Sm90Tiles(stages=2), g.Sm90Tiles(block_k=64, stages=8), g.Sm90Tiles(block_k=256, stages=3),
+    g.Sm90Tiles(block_n=128, block_k=64, stages=4, num_warps=8),
+    g.Sm90Tiles(rows=32), g.Sm90Tiles(rows=48),  # fewer weight rows than the wgmma's
+])  # fmt: skip
 def test_gpu_tiles_agree(tiles):
     x, w = make(4096, 14336, 33, seed=3)
     y = g.gemm_sm90(x, w, out_dtype=torch.float32, tiles=tiles)
-    assert_rel_close(y, exact(x, w), 1e-5, str(tiles))
+    assert_rel_close(y, exact(x, w), 3e-5, str(tiles))  # K = 14336 of float32 sums
 
 
 @needs_triton
