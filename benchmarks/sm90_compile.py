@@ -6,7 +6,7 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
     python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
         [--stages 3] [--k-step 128] [--per-channel] [--split 2]
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8]
-    python3 benchmarks/sm90_compile.py gemm_sm90 --block-n 128 --block-m 64 --stages 6 [--gated]
+    python3 benchmarks/sm90_compile.py gemm_sm90 --block-n 64 --stages 24 [--rows 48] [--gated]
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
     ... [--unspecialized M,stride_om]
 
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--block-m", type=int, default=None,
                         help="x rows a tile (wint_mma: 256; gemm: 64)")
-    parser.add_argument("--block-k", type=int, default=None, help="gemm: 128; gemm_sm90: 64")
+    parser.add_argument("--block-k", type=int, default=128)
     parser.add_argument("--k-step", type=int, default=128)
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
@@ -109,10 +109,9 @@ def main() -> None:
                         help="comma-separated integer arguments compiled as not divisible by 16")
     a = parser.parse_args()
     a.block_m = a.block_m or (256 if a.kernel == "wint_mma" else 64)
-    a.block_k = a.block_k or (64 if a.kernel == "gemm_sm90" else 128)
     if a.kernel == "gemm_sm90":  # Gluon: its own compile helper
-        tiles = gemm_sm90.Sm90Tiles(a.block_n, a.block_k, a.stages, a.warps, a.rows)
-        report(a, gemm_sm90.compile_gemm_sm90(tiles, a.block_m, gated=a.gated))
+        tiles = gemm_sm90.Sm90Tiles(a.block_n, a.stages, a.warps, a.rows)
+        report(a, gemm_sm90.compile_gemm_sm90(tiles, gated=a.gated))
         return
     fn, sig, consts = (wint_mma_variant if a.kernel == "wint_mma" else gemm_variant)(a)
     for name in fn.arg_names:  # the remaining arguments: int32 scalars

@@ -30,7 +30,6 @@ every run.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -56,35 +55,29 @@ BOX_K = 64  # K of a TMA box: a 128-byte row of 16-bit elements (the widest swiz
 # K steps into its next tile after which a program counts the partial it stored at the end of
 # its first one (by then the stores have landed, and the count's fence does not wait for them)
 ARRIVE_AFTER = ttgl.constexpr(2) if HAS_GLUON else 2
-MAX_M = 64  # rows of x this kernel takes (wgmma's N: one x tile)
+MAX_M = BLOCK_M = 64  # rows of x this kernel takes (wgmma's M: one warpgroup)
 SMEM_BUDGET = 227 * 1024  # shared memory an H100 block may use
 _GL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
 class Sm90Tiles:
-    """block_n rows of the wgmma (its M: 64 a warpgroup) and rows the weight rows an output tile
-    takes (0: block_n; a gated tile: ``rows`` gate rows in the first half of block_n, as many up
-    rows in the second; fewer rows than the wgmma's leave the rest of its rows unused), block_k
-    K a step (in boxes of BOX_K: 128 bytes of a row, TMA's widest swizzle), stages TMA ring
-    depth, num_warps 4 (one warpgroup) or 8."""
+    """block_n rows of the wgmma's B (its N) and ``rows`` the weight rows an output tile takes
+    (0: block_n; gated: ``rows`` gate rows in the first half of block_n, as many up rows in the
+    second; fewer rows than block_n leave the rest of the wgmma unused), stages TMA ring depth
+    (a stage: BOX_K of K), num_warps 4 (one warpgroup: x's BM = 64 rows)."""
 
     block_n: int = 64
-    block_k: int = 128
-    stages: int = 6
+    stages: int = 24
     num_warps: int = 4
     rows: int = 0
 
     def __post_init__(self):
-        if self.block_n not in (64, 128, 256) or self.block_n < 16 * self.num_warps:
-            raise ValueError(f"block_n={self.block_n}: 64, 128 or 256, at least 16 rows a warp "
-                             f"({self.num_warps} warps)")
-        if self.block_k not in (64, 128, 256):
-            raise ValueError(f"block_k={self.block_k}: 64, 128 or 256 (1, 2 or 4 TMA boxes of "
-                             f"{BOX_K})")
-        if self.num_warps not in (4, 8) or self.stages < 2:
-            raise ValueError(f"num_warps={self.num_warps}, stages={self.stages}: 4 or 8 warps, "
-                             f"at least 2 stages")
+        if self.block_n not in (64, 128, 256):
+            raise ValueError(f"block_n={self.block_n}: 64, 128 or 256")
+        if self.num_warps != 4 or self.stages < 2:
+            raise ValueError(f"num_warps={self.num_warps}, stages={self.stages}: 4 warps (x's "
+                             f"64 rows), at least 2 stages")
         if self.rows % 16 or self.rows > self.block_n:
             raise ValueError(f"rows={self.rows}: a multiple of 16 (TMA boxes of 16 rows), at "
                              f"most block_n={self.block_n}")
@@ -94,14 +87,9 @@ class Sm90Tiles:
         full = self.block_n // 2 if gated else self.block_n
         return min(self.rows, full) if self.rows else full
 
-    def smem_bytes(self, block_m: int) -> int:
-        """Ring (weights + x, 16-bit) + the epilogue's float32 tile + mbarriers."""
-        return self.stages * ((self.block_n + block_m) * self.block_k * 2 + 8)
-
-
-def block_m_for(m: int) -> int:
-    """x rows a tile: 16, 32 or 64 (wgmma N; fewer rows are TMA's zero fill)."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+    def smem_bytes(self) -> int:
+        """The weight ring and its mbarriers."""
+        return self.stages * (self.block_n * BOX_K * 2 + 8)
 
 
 @constexpr_function
@@ -112,91 +100,92 @@ def _loads_in_flight(tile_elements, num_warps):
 
 
 @constexpr_function
-def _acc_layout(block_m, num_warps):
-    """wgmma's accumulator [BN, BM]: warps along the weight rows, one instruction as wide as x's
-    tile."""
+def _acc_layout(block_n, num_warps):
+    """wgmma's accumulator [BM, BN]: warps along x's rows, one instruction as wide as the
+    tile's weight rows."""
     return ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                       instr_shape=[16, block_m, 16])
+                                       instr_shape=[16, block_n, 16])
 
 
 if HAS_GLUON:
 
     @_jit
-    def _issue(w_desc, x_desc, w_bufs, x_bufs, bars, unit, i, k_steps, half_n,
-               ROWS: ttgl.constexpr, GATED: ttgl.constexpr, STAGES: ttgl.constexpr, pred,
-               LOAD_W: ttgl.constexpr, LOAD_X: ttgl.constexpr, NO_X: ttgl.constexpr = False):
-        """TMA copies of work unit ``unit`` (tile unit // k_steps, K step unit % k_steps) into
-        ring stage i % STAGES: its ROWS weight rows, in boxes of the descriptor's rows (LOAD_W;
-        the stage's mbarrier told to expect the whole unit) and its x tile (LOAD_X). Gated: gate
-        rows into the wgmma tile's first half, up rows (half_n further) into its second."""
+    def _issue(w_desc, w_bufs, bars, unit, i, k_steps, half_n, ROWS: ttgl.constexpr,
+               GATED: ttgl.constexpr, STAGES: ttgl.constexpr, pred):
+        """TMA copies of work unit ``unit``'s ROWS weight rows (tile unit // k_steps, K step
+        unit % k_steps) into ring stage i % STAGES, in boxes of the descriptor's rows. Gated:
+        gate rows into the wgmma tile's first half, up rows (half_n further) into its second."""
         stage = i % STAGES
         bar = bars.index(stage)
         BOX_ROWS: ttgl.constexpr = w_desc.block_type.shape[0]
         BOXES: ttgl.constexpr = ROWS // BOX_ROWS
         BN: ttgl.constexpr = w_bufs.shape[1]  # rows of the wgmma
-        BOX: ttgl.constexpr = w_desc.block_type.shape[1]
-        SUB: ttgl.constexpr = w_bufs.shape[0] // STAGES
         W_BYTES: ttgl.constexpr = w_desc.block_type.nbytes * BOXES * (2 if GATED else 1)
-        if LOAD_W:
-            X_BYTES: ttgl.constexpr = 0 if NO_X else x_desc.block_type.nbytes
-            mbarrier.expect(bar, SUB * (W_BYTES + X_BYTES), pred=pred)
+        mbarrier.expect(bar, W_BYTES, pred=pred)
         row = (unit // k_steps) * ROWS
-        for j in ttgl.static_range(SUB):
-            k = ((unit % k_steps) * SUB + j) * BOX
-            if LOAD_W:
-                w_buf = w_bufs.index(stage * SUB + j)
-                for b in ttgl.static_range(BOXES):
-                    tma_load(w_desc, [row + b * BOX_ROWS, k], bar,
-                             w_buf.slice(b * BOX_ROWS, BOX_ROWS), pred)
-                    if GATED:
-                        tma_load(w_desc, [half_n + row + b * BOX_ROWS, k], bar,
-                                 w_buf.slice(BN // 2 + b * BOX_ROWS, BOX_ROWS), pred)
-            if LOAD_X and not NO_X:
-                tma_load(x_desc, [0, k], bar, x_bufs.index(stage * SUB + j), pred)
+        k = (unit % k_steps) * w_desc.block_type.shape[1]
+        w_buf = w_bufs.index(stage)
+        for b in ttgl.static_range(BOXES):
+            tma_load(w_desc, [row + b * BOX_ROWS, k], bar, w_buf.slice(b * BOX_ROWS, BOX_ROWS),
+                     pred)
+            if GATED:
+                tma_load(w_desc, [half_n + row + b * BOX_ROWS, k], bar,
+                         w_buf.slice(BN // 2 + b * BOX_ROWS, BOX_ROWS), pred)
+
+    @_jit
+    def _load_x(x_ptr, stride_xm, M, unit, k_steps, lo, BM: ttgl.constexpr, BK: ttgl.constexpr,
+                A: ttgl.constexpr):
+        """x's [BM, BK] tile of work unit ``unit`` (zeros past M, or for a unit before lo) into
+        registers, as wgmma's A operand."""
+        rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, A))
+        cols = (unit % k_steps) * BK + ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, A))
+        mask = (rows < M)[:, None] & ((cols >= 0) & (unit >= lo))[None, :]
+        return ttgl.load(x_ptr + rows[:, None].to(ttgl.int64) * stride_xm + cols[None, :],
+                         mask=mask, other=0.0)
 
     @_jit
     def _store_tile(acc, tile, bias_ptr, y_ptr, M, N, stride_ym, ROWS: ttgl.constexpr,
                     HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr):
-        """acc [BN, BM] float32 (y^T of output tile ``tile``, its first ROWS rows) -> y [M, N or
-        N / 2], straight from the registers. Gated, acc's first half holds the gate rows and its
-        second the up rows, and a thread holds row r of each (the wgmma layout repeats every
-        16 x num_warps rows)."""
-        BN: ttgl.constexpr = acc.shape[0]
-        BM: ttgl.constexpr = acc.shape[1]
+        """acc [BM, BN] float32 (output tile ``tile``, its first ROWS columns) -> y [M, N or
+        N / 2], straight from the registers. Gated, acc's first half of columns holds the gate
+        rows' and its second the up rows', and a thread holds column c of each (the wgmma
+        layout repeats every 8 columns)."""
+        BM: ttgl.constexpr = acc.shape[0]
+        BN: ttgl.constexpr = acc.shape[1]
         dt: ttgl.constexpr = y_ptr.dtype.element_ty
         if GATED:
-            gate, up = ttgl.split(ttgl.permute(ttgl.reshape(acc, [2, BN // 2, BM]), (1, 2, 0)))
+            gate, up = ttgl.split(ttgl.permute(ttgl.reshape(acc, [BM, 2, BN // 2]), (0, 2, 1)))
             L: ttgl.constexpr = gate.type.layout
-            local = ttgl.arange(0, BN // 2, layout=ttgl.SliceLayout(1, L))
+            local = ttgl.arange(0, BN // 2, layout=ttgl.SliceLayout(0, L))
             cols = tile * ROWS + local
-            rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, L))
+            rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, L))
             n_valid = N // 2
             if HAS_BIAS:
                 gate += ttgl.load(bias_ptr + cols, mask=cols < n_valid, other=0.0).to(
-                    ttgl.float32)[:, None]
+                    ttgl.float32)[None, :]
                 up += ttgl.load(bias_ptr + n_valid + cols, mask=cols < n_valid, other=0.0).to(
-                    ttgl.float32)[:, None]
+                    ttgl.float32)[None, :]
             y = silu_mul(gate, up, dt)
         else:
             ACC: ttgl.constexpr = acc.type.layout
-            local = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))
+            local = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, ACC))
             cols = tile * ROWS + local
-            rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))
+            rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, ACC))
             y = acc
             n_valid = N
             if HAS_BIAS:
                 y += ttgl.load(bias_ptr + cols, mask=cols < n_valid, other=0.0).to(
-                    ttgl.float32)[:, None]
-        ptrs = y_ptr + rows[None, :].to(ttgl.int64) * stride_ym + cols[:, None]
+                    ttgl.float32)[None, :]
+        ptrs = y_ptr + rows[:, None].to(ttgl.int64) * stride_ym + cols[None, :]
         col_mask = (local < ROWS) & (cols < n_valid)
-        ttgl.store(ptrs, y.to(dt), mask=col_mask[:, None] & (rows < M)[None, :])
+        ttgl.store(ptrs, y.to(dt), mask=(rows < M)[:, None] & col_mask[None, :])
 
     @_jit
-    def _tile_offsets(BN: ttgl.constexpr, BM: ttgl.constexpr, ACC: ttgl.constexpr):
-        """[BN, BM] offsets of a partial tile's elements (rebuilt where needed: kept live
-        through the K loop they would take registers from it)."""
-        return (ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ACC))[:, None] * BM
-                + ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, ACC))[None, :])
+    def _tile_offsets(R: ttgl.constexpr, C: ttgl.constexpr, L: ttgl.constexpr):
+        """[R, C] offsets of a partial tile's elements in layout L (rebuilt where needed: kept
+        live through the K loop they would take registers from it)."""
+        return (ttgl.arange(0, R, layout=ttgl.SliceLayout(1, L))[:, None] * C
+                + ttgl.arange(0, C, layout=ttgl.SliceLayout(0, L))[None, :])
 
     @_jit
     def _part_ptrs(part_ptr, q, tile_lo, num_units, num_programs, local):
@@ -227,8 +216,6 @@ if HAS_GLUON:
         adds the partials in program order and its own accumulator after them. It waits only
         on programs of lower index, which the GPU starts no later than itself: no deadlock
         even where the programs do not all fit on the GPU at once."""
-        BN: ttgl.constexpr = acc.shape[0]
-        BM: ttgl.constexpr = acc.shape[1]
         ACC: ttgl.constexpr = acc.type.layout
         tile = seg_lo // k_steps
         tile_lo = tile * k_steps
@@ -238,13 +225,14 @@ if HAS_GLUON:
         else:
             first = ((tile_lo + 1) * num_programs - 1) // num_units
             last = ((tile_lo + k_steps) * num_programs - 1) // num_units
-            local = _tile_offsets(BN, BM, ACC)
+            local = _tile_offsets(acc.shape[0], acc.shape[1], ACC)
             if pid == last:
                 counter = count_ptr + tile
                 while ttgl.atomic_add(counter, 0, sem="acquire") < last - first:
                     pass
-                UNROLL: ttgl.constexpr = _loads_in_flight(BN * BM, ttgl.num_warps())
-                total = ttgl.zeros([BN, BM], ttgl.float32, ACC)
+                UNROLL: ttgl.constexpr = _loads_in_flight(acc.shape[0] * acc.shape[1],
+                                                          ttgl.num_warps())
+                total = ttgl.zeros(acc.shape, ttgl.float32, ACC)
                 for base in range(first, last, UNROLL):  # UNROLL loads in flight at a time
                     for j in ttgl.static_range(UNROLL):
                         q = base + j
@@ -263,20 +251,18 @@ if HAS_GLUON:
     # the batch size changes every step and the unit counts with the layer: one compile serves
     @_jit(do_not_specialize=["M", "N", "num_tiles", "k_steps"])
     def _gemm_sm90_kernel(
-        w_desc, x_desc, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, num_tiles, k_steps,
-        stride_ym, HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr, STAGES: ttgl.constexpr,
-        SUB: ttgl.constexpr, BN: ttgl.constexpr, ROWS: ttgl.constexpr, USE_PDL: ttgl.constexpr,
-        PROBE: ttgl.constexpr = 0,
+        w_desc, x_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, num_tiles, k_steps,
+        stride_xm, stride_ym, HAS_BIAS: ttgl.constexpr, GATED: ttgl.constexpr,
+        STAGES: ttgl.constexpr, BN: ttgl.constexpr, ROWS: ttgl.constexpr, BM: ttgl.constexpr,
+        USE_PDL: ttgl.constexpr,
     ):  # fmt: skip
         """Program p's units [p U / P, (p + 1) U / P) of the U = num_tiles x k_steps units."""
-        BOX: ttgl.constexpr = w_desc.block_type.shape[1]
-        BM: ttgl.constexpr = x_desc.block_type.shape[0]
+        BK: ttgl.constexpr = w_desc.block_type.shape[1]
         dt: ttgl.constexpr = w_desc.dtype
-        ACC: ttgl.constexpr = _acc_layout(BM, ttgl.num_warps())
+        ACC: ttgl.constexpr = _acc_layout(BN, ttgl.num_warps())
+        A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
 
-        # a stage: SUB boxes of K side by side (longer runs of each weight row from DRAM)
-        w_bufs = ttgl.allocate_shared_memory(dt, [STAGES * SUB, BN, BOX], w_desc.layout)
-        x_bufs = ttgl.allocate_shared_memory(dt, [STAGES * SUB, BM, BOX], x_desc.layout)
+        w_bufs = ttgl.allocate_shared_memory(dt, [STAGES, BN, BK], w_desc.layout)
         bars = ttgl.allocate_shared_memory(ttgl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in ttgl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
@@ -286,51 +272,46 @@ if HAS_GLUON:
         num_units = num_tiles * k_steps
         lo = pid * num_units // num_programs
         count = (pid + 1) * num_units // num_programs - lo  # >= 1: the host's P <= U
+        hi = lo + count
         half_n = N // 2
-        # the first units' weights before the PDL wait (they never depend on the kernel before),
-        # their x tiles (the kernel before's output) after it
+        # the first units' weights before the PDL wait (they never depend on the kernel before)
         for j in ttgl.static_range(STAGES - 1):
-            _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + count - 1 - j, j, k_steps, half_n,
-                   ROWS, GATED, STAGES, j < count, True, False, (PROBE & 4) != 0)
+            _issue(w_desc, w_bufs, bars, hi - 1 - j, j, k_steps, half_n, ROWS, GATED, STAGES,
+                   j < count)
         if USE_PDL:  # x and the counters are the kernel before's to finish with
             gdc(True)
             gdc(False)
-        for j in ttgl.static_range(STAGES - 1):
-            _issue(w_desc, x_desc, w_bufs, x_bufs, bars, lo + count - 1 - j, j, k_steps, half_n,
-                   ROWS, GATED, STAGES, j < count, False, True, (PROBE & 4) != 0)
-        hi = lo + count
-        # one tile's units at a time: a branch inside the K loop that took the accumulator would
-        # make the compiler wait for every wgmma before the next step
+        # x comes straight into registers (wgmma's A), X_AHEAD units ahead: no shared memory
+        # for it, so that all of it holds weights in flight
+        x_next = _load_x(x_ptr, stride_xm, M, hi - 1, k_steps, lo, BM, BK, A)
+        x_after = _load_x(x_ptr, stride_xm, M, hi - 2, k_steps, lo, BM, BK, A)
         pending = -1  # a tile whose partial this program stored and has yet to count
         # the range backwards, one tile's units at a time (a branch inside the K loop that took
         # the accumulator would make the compiler wait for every wgmma before the next step)
         for tile in range((hi - 1) // k_steps, lo // k_steps - 1, -1):
             seg_lo = ttgl.maximum(lo, tile * k_steps)
             seg_hi = ttgl.minimum(hi, (tile + 1) * k_steps)
-            acc = ttgl.zeros([BN, BM], ttgl.float32, ACC)
+            acc = ttgl.zeros([BM, BN], ttgl.float32, ACC)
             for unit in range(seg_hi - 1, seg_lo - 1, -1):
                 i = hi - 1 - unit  # units done before this one
                 stage = i % STAGES
+                x_cur = x_next
+                x_next = x_after
+                x_after = _load_x(x_ptr, stride_xm, M, unit - 2, k_steps, lo, BM, BK, A)
                 mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-                if (PROBE & 1) == 0:
-                    for j in ttgl.static_range(SUB):
-                        acc = warpgroup_mma(w_bufs.index(stage * SUB + j),
-                                            x_bufs.index(stage * SUB + j).permute((1, 0)), acc,
-                                            is_async=True)
-                # step i - 1's wgmmas are done: its stage takes unit i + STAGES - 1
+                acc = warpgroup_mma(x_cur, w_bufs.index(stage).permute((1, 0)), acc,
+                                    is_async=True)
+                # step i - 1's wgmma is done: its stage takes unit i + STAGES - 1
                 acc = warpgroup_mma_wait(1, deps=(acc,))
                 ahead = i + STAGES - 1
-                _issue(w_desc, x_desc, w_bufs, x_bufs, bars, hi - 1 - ahead, ahead, k_steps,
-                       half_n, ROWS, GATED, STAGES, ahead < count, True, True, (PROBE & 4) != 0)
+                _issue(w_desc, w_bufs, bars, hi - 1 - ahead, ahead, k_steps, half_n, ROWS, GATED,
+                       STAGES, ahead < count)
                 if (pending >= 0) & (unit == seg_hi - 1 - ARRIVE_AFTER):
                     _arrive(pending, count_ptr)
                     pending = -1
             acc = warpgroup_mma_wait(0, deps=(acc,))
             if pending >= 0:  # the segment was too short to count it in
                 _arrive(pending, count_ptr)
-            if (PROBE & 2) != 0:
-                seg_lo = tile * k_steps
-                seg_hi = (tile + 1) * k_steps
             pending = _finish_tile(acc, seg_lo, seg_hi, lo, pid, num_programs, num_units,
                                    k_steps, part_ptr, count_ptr, bias_ptr, y_ptr, M, N,
                                    stride_ym, ROWS, HAS_BIAS, GATED)
@@ -352,7 +333,7 @@ def default_tiles(n_out: int, gated: bool, sms: int) -> Sm90Tiles:
     of the SMs:
     every program then takes whole tiles and no partial sums are needed (Llama-3.1-8B: qkv 48
     rows, 128 tiles; o_proj and down_proj 32, 128; gate_up 56, 256)."""
-    base = Sm90Tiles(128, 128, 4) if gated else Sm90Tiles(64, 128, 6)
+    base = Sm90Tiles(128, 12) if gated else Sm90Tiles(64, 24)
     full = base.tile_rows(gated)
     for rows in range(full, full // 2 - 1, -16):  # (narrower: more x per weight byte)
         if even_programs(-(-n_out // rows), sms):
@@ -385,11 +366,10 @@ def gemm_sm90_applies(x: torch.Tensor, w: torch.Tensor, tiles: Sm90Tiles | None 
     tiles = tiles or default_tiles(w.shape[0] // 2 if gated else w.shape[0], gated,
                                    num_sms(x.device))
     return (x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-            and 1 <= m <= MAX_M and w.shape[1] == k and k % tiles.block_k == 0
+            and 1 <= m <= MAX_M and w.shape[1] == k and k % BOX_K == 0
             and x.stride(1) == 1 and w.stride(1) == 1
-            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-            and (m == 1 or x.stride(0) % 8 == 0) and w.stride(0) % 8 == 0
-            and tiles.smem_bytes(block_m_for(m)) <= SMEM_BUDGET)
+            and w.data_ptr() % 16 == 0 and w.stride(0) % 8 == 0
+            and tiles.smem_bytes() <= SMEM_BUDGET)
 
 
 def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -406,51 +386,38 @@ def gemm_sm90(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     tiles = tiles or default_tiles(n_out, gated, sms)
     assert gemm_sm90_applies(x, w, tiles), "gemm_sm90 does not take these inputs"
     assert not gated or n % 2 == 0, f"a gated projection has an even number of rows, not {n}"
-    if gated and tiles.block_n != 32 * tiles.num_warps:
-        raise ValueError(f"gated tiles need block_n = 32 x num_warps (a thread holds a gate row "
-                         f"and its up row), not {tiles}")
     out_dtype = out_dtype or x.dtype
-    y = torch.empty(m, n // 2 if gated else n, dtype=out_dtype, device=x.device)
-    block_m = block_m_for(m)
+    y = torch.empty(m, n_out, dtype=out_dtype, device=x.device)
     rows_out = tiles.tile_rows(gated)  # output columns a tile
     num_tiles = -(-n_out // rows_out)
-    k_steps = k // tiles.block_k
+    k_steps = k // BOX_K
     assert num_tiles <= COUNTER_CAPACITY, f"N={n}: more tiles than the arrival counters"
     units = num_tiles * k_steps
     num_programs = min(programs or even_programs(num_tiles, sms) or sms, units)
-    dtype = _GL_DTYPES[x.dtype]
     w_block = [_box_rows(rows_out), BOX_K]
-    x_block = [block_m, BOX_K]
     w_desc = GluonTensorDescriptor(w, [n, k], [w.stride(0), 1], w_block,
-                                   _shared_layout(w_block, dtype))
-    x_desc = GluonTensorDescriptor(x, [m, k], [x.stride(0) if m > 1 else k, 1], x_block,
-                                   _shared_layout(x_block, dtype))
-    parts = torch.empty(num_programs * 2 * tiles.block_n * block_m, device=x.device,
+                                   _shared_layout(w_block, _GL_DTYPES[x.dtype]))
+    parts = torch.empty(num_programs * 2 * BLOCK_M * tiles.block_n, device=x.device,
                         dtype=torch.float32)
     launch = pdl(x.device)
     _gemm_sm90_kernel[(num_programs,)](
-        w_desc, x_desc, bias if bias is not None else y, y, parts, arrival_counters(x.device),
-        m, n, num_tiles, k_steps, y.stride(0), HAS_BIAS=bias is not None, GATED=gated,
-        STAGES=tiles.stages, SUB=tiles.block_k // BOX_K, BN=tiles.block_n, ROWS=rows_out,
-        USE_PDL=launch["USE_PDL"], PROBE=int(os.environ.get("PROBE", "0")),
-        num_warps=tiles.num_warps,
-        launch_pdl=launch["launch_pdl"],
+        w_desc, x, bias if bias is not None else y, y, parts, arrival_counters(x.device),
+        m, n, num_tiles, k_steps, x.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        GATED=gated, STAGES=tiles.stages, BN=tiles.block_n, ROWS=rows_out, BM=BLOCK_M,
+        USE_PDL=launch["USE_PDL"], num_warps=tiles.num_warps, launch_pdl=launch["launch_pdl"],
     )  # fmt: skip
     return y
 
 
-def compile_gemm_sm90(tiles: Sm90Tiles, block_m: int, dtype: str = "bf16", out_dtype: str = "bf16",
+def compile_gemm_sm90(tiles: Sm90Tiles, dtype: str = "bf16", out_dtype: str = "bf16",
                       gated: bool = False, has_bias: bool = False, use_pdl: bool = True):
     """The kernel compiled for sm_90 on any host (_gluon.compile_sm90)."""
     w_block = [_box_rows(tiles.tile_rows(gated)), BOX_K]
-    x_block = [block_m, BOX_K]
     sig = {"w_desc": f"tensordesc<{dtype}{w_block},{_shared_layout(w_block, dtype)!r}>",
-           "x_desc": f"tensordesc<{dtype}{x_block},{_shared_layout(x_block, dtype)!r}>",
-           "bias_ptr": f"*{dtype}", "y_ptr": f"*{out_dtype}", "part_ptr": "*fp32",
-           "count_ptr": "*i32", "M": "i32", "N": "i32", "num_tiles": "i32", "k_steps": "i32",
-           "stride_ym": "i32"}
-    consts = dict(HAS_BIAS=has_bias, GATED=gated, STAGES=tiles.stages,
-                  SUB=tiles.block_k // BOX_K, BN=tiles.block_n, ROWS=tiles.tile_rows(gated),
-                  USE_PDL=use_pdl, PROBE=0)
+           "x_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "y_ptr": f"*{out_dtype}",
+           "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "num_tiles": "i32",
+           "k_steps": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+    consts = dict(HAS_BIAS=has_bias, GATED=gated, STAGES=tiles.stages, BN=tiles.block_n,
+                  ROWS=tiles.tile_rows(gated), BM=BLOCK_M, USE_PDL=use_pdl)
     return compile_sm90(_gemm_sm90_kernel, sig, consts, tiles.num_warps,
                         unspecialized=("M", "N", "num_tiles", "k_steps"))
