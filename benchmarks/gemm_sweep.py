@@ -26,7 +26,6 @@ import torch
 from kiln.kernels._triton import num_sms
 from kiln.kernels.activation import silu_and_mul, silu_and_mul_ref
 from kiln.kernels.gemm import GemmTiles, gemm_config, gemm_triton
-from kiln.kernels.gemm_sm90 import Sm90Tiles, default_tiles, gemm_sm90, gemm_sm90_applies
 from kiln.quant import w8a8
 
 # (block_m, block_n, block_k, num_warps, num_stages) per operand width; K splits were swept
@@ -51,16 +50,11 @@ ALTERNATIVES = {
 }
 
 
-# Sm90Tiles (block_n, block_k, stages, num_warps) of gemm_sm90, 16-bit operands at M <= 64
-SM90_ALTERNATIVES = [(64, 128, 6, 4), (64, 256, 3, 4), (64, 128, 4, 4), (128, 128, 4, 4),
-                     (128, 64, 6, 4), (128, 256, 2, 4), (256, 64, 4, 8), (256, 128, 2, 8)]
-
 SHAPES = [(6144, 4096, "qkv"), (4096, 4096, "o_proj"), (28672, 4096, "gate_up"),
           (4096, 14336, "down_proj"), (28672, 4096, "gate_up gated"), (128256, 4096, "lm_head")]
 
 
-def run_case(n: int, k: int, m: int, dtype: str, layer: str,
-             alternatives: bool = True) -> list[dict]:
+def run_case(n: int, k: int, m: int, dtype: str, layer: str) -> list[dict]:
     """gated: silu(gate) * up in the epilogue against cuBLAS + silu_and_mul; lm_head: float32
     logits; both only with the default tiles."""
     gated = layer.endswith("gated")
@@ -93,9 +87,6 @@ def run_case(n: int, k: int, m: int, dtype: str, layer: str,
             return fn
 
         def triton_path(cfg):
-            if isinstance(cfg, Sm90Tiles):
-                return lambda a: lambda: gemm_sm90(x, a[0], None, out_dtype, gated=gated,
-                                                   tiles=cfg)
             return lambda a: lambda: gemm_triton(x, a[0], None, out_dtype, gated=gated,
                                                  config=cfg)
     ref = (silu_and_mul_ref(ref.bfloat16()) if gated else ref).double()
@@ -105,12 +96,7 @@ def run_case(n: int, k: int, m: int, dtype: str, layer: str,
                                                           ALTERNATIVES[dtype])
         if layer in ("qkv", "o_proj",
                                                                           "gate_up", "down_proj")
-        and k % c[2] == 0 and (c[0] >= min(m, 64) or c[0] == 16) and alternatives}
-    if dtype == "bf16" and gemm_sm90_applies(x, weights[0], gated=gated):  # the Hopper kernel
-        configs["sm90"] = default_tiles(m, n, k, gated)
-        configs |= {f"sm90 {c}": Sm90Tiles(*c) for c in SM90_ALTERNATIVES
-                    if gemm_sm90_applies(x, weights[0], Sm90Tiles(*c))
-                    and (not gated or c[0] == 32 * c[3])}
+        and k % c[2] == 0 and (c[0] >= min(m, 64) or c[0] == 16)}
     paths = {"cublas": cublas} | {label: triton_path(cfg) for label, cfg in configs.items()}
     rows = []
     wbytes = sum(t.numel() * t.element_size() for t in weights)
@@ -124,8 +110,7 @@ def run_case(n: int, k: int, m: int, dtype: str, layer: str,
             continue
         rows.append(dict(n=n, k=k, m=m, dtype=dtype, layer=layer, path=label, us=us, rel_err=err,
                          ok=err < 2e-2, gb_s=wbytes / us / 1e3,
-                         config=(str(tuple(default)) if label == "default"
-                                 else str(configs["sm90"]) if label == "sm90" else label)))
+                         config=str(tuple(default)) if label == "default" else label))
     if dtype == "fp8" and layer in ("o_proj", "down_proj"):
         us = gq.time_graph_us(lambda i: lambda: w8a8.quant_per_token(x, "fp8"), x.numel() * 3)
         rows.append(dict(n=n, k=k, m=m, dtype=dtype, layer=layer, path="quantizer", us=us))
@@ -137,30 +122,26 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--ms", default="16,32,64,128")
     parser.add_argument("--dtypes", default="bf16,fp8")
-    parser.add_argument("--no-alternatives", action="store_true",
-                        help="only the default tiles of gemm.py's kernel (gemm_sm90's all)")
     parser.add_argument("--layers", default=",".join(layer for _, _, layer in SHAPES),
                         help="comma-separated layer names of SHAPES")
     args = parser.parse_args()
     rows = []
     layers = args.layers.split(",")
-    print(f"{'type':>5} {'layer':>13} {'M':>4} {'cublas':>8} {'default':>8} {'sm90':>8} "
-          f"{'best':>8} {'best GB/s':>9}  best tiles  ok  (quantizer us)", flush=True)
+    print(f"{'type':>5} {'layer':>13} {'M':>4} {'cublas':>8} {'default':>8} {'best':>8} "
+          f"{'best GB/s':>9}  best tiles  ok  (quantizer us)", flush=True)
     for dtype in args.dtypes.split(","):
         for n, k, layer in SHAPES:
             if layer not in layers or (dtype == "fp8" and layer == "lm_head"):
                 continue  # FP8 W8A8 keeps a 16-bit LM head
             for m in (int(v) for v in args.ms.split(",")):
-                case = run_case(n, k, m, dtype, layer, not args.no_alternatives)
+                case = run_case(n, k, m, dtype, layer)
                 rows += case
                 timed = {r["path"]: r for r in case if "us" in r}
                 quantizer = timed.pop("quantizer", None)
                 best = min((r for p, r in timed.items() if p != "cublas"), key=lambda r: r["us"])
                 ok = all(r.get("ok", False) for r in case if r["path"] != "quantizer")
-                sm90 = timed["sm90"]["us"] if "sm90" in timed else float("nan")
                 print(f"{dtype:>5} {layer:>13} {m:>4} {timed['cublas']['us']:8.1f} "
-                      f"{timed['default']['us']:8.1f} {sm90:8.1f} {best['us']:8.1f} "
-                      f"{best['gb_s']:9.0f}  "
+                      f"{timed['default']['us']:8.1f} {best['us']:8.1f} {best['gb_s']:9.0f}  "
                       f"{best['config']}  {ok}"
                       + (f"  ({quantizer['us']:.1f})" if quantizer else ""), flush=True)
         with open(args.out, "w") as f:

@@ -6,7 +6,6 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
     python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
         [--stages 3] [--k-step 128] [--per-channel] [--split 2]
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8]
-    python3 benchmarks/sm90_compile.py gemm_sm90 --block-n 64 --stages 24 [--rows 48] [--gated]
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
     ... [--unspecialized M,stride_om]
 
@@ -35,7 +34,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kiln.kernels import gemm, gemm_sm90, wint_mma  # noqa: E402
+from kiln.kernels import gemm, wint_mma  # noqa: E402
 
 
 def wint_mma_variant(a: argparse.Namespace) -> tuple:
@@ -91,7 +90,7 @@ def k_loop(sass: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["wint_mma", "gemm", "gemm_sm90"])
+    parser.add_argument("kernel", choices=["wint_mma", "gemm"])
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--block-m", type=int, default=None,
@@ -101,18 +100,13 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
-    parser.add_argument("--rows", type=int, default=0, help="gemm_sm90: weight rows a tile")
-    for flag in ("per-channel", "fp8", "gated"):
+    for flag in ("per-channel", "fp8"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
     parser.add_argument("--unspecialized", default="M",
                         help="comma-separated integer arguments compiled as not divisible by 16")
     a = parser.parse_args()
     a.block_m = a.block_m or (256 if a.kernel == "wint_mma" else 64)
-    if a.kernel == "gemm_sm90":  # Gluon: its own compile helper
-        tiles = gemm_sm90.Sm90Tiles(a.block_n, a.stages, a.warps, a.rows)
-        report(a, gemm_sm90.compile_gemm_sm90(tiles, gated=a.gated))
-        return
     fn, sig, consts = (wint_mma_variant if a.kernel == "wint_mma" else gemm_variant)(a)
     for name in fn.arg_names:  # the remaining arguments: int32 scalars
         if name not in sig and name not in consts:
@@ -127,22 +121,18 @@ def main() -> None:
              if t == "i32" and n not in unspecialized or t.startswith("*")}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    report(a, triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                             options=dict(num_warps=a.warps, num_stages=a.stages)))
-
-
-def report(a: argparse.Namespace, kernel) -> None:
-    """Print the compiled kernel's figures as JSON; --dump: write its TTGIR, PTX and SASS."""
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                            options=dict(num_warps=a.warps, num_stages=a.stages))
     registers, spill_bytes, sass = machine_code(kernel)
     loop = Counter(k_loop(sass))
-    figures = dict(kernel=a.kernel, triton=triton.__version__,
+    report = dict(kernel=a.kernel, triton=triton.__version__,
                   options={k: v for k, v in vars(a).items() if k not in ("kernel", "dump")},
                   registers=registers, spill_stack_bytes=spill_bytes,
                   shared_bytes=kernel.metadata.shared, k_loop_instructions=sum(loop.values()),
                   k_loop_loads={op: n for op, n in loop.items()
                                 if op in ("LDG", "LDGSTS", "UTMALDG", "LDS", "LDL")},
                   k_loop_wgmmas=loop["HGMMA"])
-    print(json.dumps(figures))
+    print(json.dumps(report))
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
         for name, text in [("ttgir", kernel.asm["ttgir"]), ("ptx", kernel.asm["ptx"]),

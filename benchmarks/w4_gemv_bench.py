@@ -209,7 +209,7 @@ def compile_report(configs: list[tuple[C, int]]) -> list[dict]:
     for cfg, k in configs:
         row = dict(config=repr(cfg), k=k, triton=triton.__version__)
         try:
-            kernel = w4.compile_w4_gemv_sm90(cfg, k)
+            kernel = w4.compile_sm90(cfg, k)
             registers, spill_bytes, sass = machine_code(kernel)
             row.update(registers=registers, spill_bytes=spill_bytes,
                        shared=kernel.metadata.shared, shared_estimate=w4.plan(cfg, k).smem_bytes,

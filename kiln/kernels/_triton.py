@@ -40,8 +40,7 @@ if HAS_TRITON:  # an installed triton too old for the kernels is an error, not a
             f"Kiln's kernels need triton >= 3.4 (host TMA descriptors); found triton "
             f"{triton.__version__}. Upgrade it: pip install 'triton>=3.4'") from exc
 
-__all__ = ["COUNTER_CAPACITY", "HAS_TRITON", "TensorDescriptor", "arrival_counters",
-           "next_power_of_2", "num_sms", "pdl", "tl", "triton",
+__all__ = ["HAS_TRITON", "TensorDescriptor", "next_power_of_2", "num_sms", "pdl", "tl", "triton",
            "use_triton", "wait_for_inputs"]
 
 
@@ -106,24 +105,3 @@ def pdl(device: torch.device) -> dict:
         index = device.index if device.index is not None else torch.cuda.current_device()
         on = _capability_major(index) >= 9
     return {"USE_PDL": on, "launch_pdl": on}
-
-
-# ---- split-K arrival counters -------------------------------------------------------------------
-# A kernel that splits an output tile's K over programs counts their arrivals per tile; the last
-# to arrive sums the float32 partials in a fixed order and sets the counter back to zero. One
-# array per device serves every such kernel: they run one after another on the stream (a PDL
-# launch touches the counters only after its wait), and each leaves them all at zero.
-COUNTER_CAPACITY = 1 << 16  # output tiles per launch
-_counters: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed int32 counters [COUNTER_CAPACITY], allocated on first use."""
-    key = (device.type, device.index)
-    if key not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "a split-K GEMM allocates its arrival counters on first use, which cannot "
-                "happen inside a CUDA graph capture: run the model once eagerly before capturing")
-        _counters[key] = torch.zeros(COUNTER_CAPACITY, device=device, dtype=torch.int32)
-    return _counters[key]

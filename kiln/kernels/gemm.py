@@ -28,14 +28,11 @@ import torch
 
 from kiln.kernels._triton import num_sms, pdl, tl, triton, use_triton, wait_for_inputs
 from kiln.kernels.activation import silu_and_mul_ref, silu_mul
-from kiln.kernels.gemm_sm90 import gemm_sm90, gemm_sm90_applies
 
 # 16-bit rows up to which gemm_triton replaces cuBLAS for dense weights: at M = 16-64 it matches
 # or beats cuBLAS on every Llama-3.1-8B layer (gemm_sweep.txt) and keeps the step PDL-chained;
 # at 128 its 64-row tiles lose (gate_up 110 against 89 us)
 DENSE_MAX_M = 64
-# 16-bit layers on a Hopper GPU go to gemm_sm90 (TMA + wgmma, stream-K), unless a config is given
-SM90 = True
 
 
 class GemmTiles(NamedTuple):
@@ -155,8 +152,6 @@ def gemm_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     scaled = x_scales is not None
     assert scaled == (w_scales is not None), "x_scales and w_scales come together"
     out_dtype = out_dtype or (torch.bfloat16 if scaled else x.dtype)
-    if config is None and not scaled and SM90 and gemm_sm90_applies(x, w, gated=gated):
-        return gemm_sm90(x, w, bias, out_dtype, gated=gated)
     cfg = config or gemm_config(m, n, k, x.element_size(), num_sms(x.device))
     assert w.shape[1] == k and k % cfg.block_k == 0, \
         f"K={k} must be a multiple of block_k = {cfg.block_k}"

@@ -36,8 +36,9 @@ Register layout: a thread holds ``rows_per_thread`` rows x 4 consecutive words o
 x table entries of a column serve all of a thread's rows; partial sums stay per column until
 the end, where one cross-lane (and, with warps along K, cross-warp) sum per row is left.
 
-Gluon cannot run under TRITON_INTERPRET: on CPU this module only compiles
-(``compile_w4_gemv_sm90``); kiln.kernels._gluon holds the import and its version shims.
+Gluon cannot run under TRITON_INTERPRET: on CPU this module only compiles (``compile_sm90``).
+It imports without triton, and with a triton whose Gluon API differs (3.6's names are used,
+3.9's where they were renamed).
 """
 
 from __future__ import annotations
@@ -46,23 +47,30 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.kernels._gluon import (
-    HAS_GLUON,
-    GluonTensorDescriptor,
-    async_copy,
-    compile_sm90,
-    constexpr_function,
-    cp_async,
-    cta_barrier,
-    fence_async_shared,
-    gdc,
-    mbarrier,
-    memdesc_reinterpret,
-    tma_load,
-    ttgl,
-)
-from kiln.kernels._gluon import jit as _jit
 from kiln.kernels._triton import next_power_of_2, pdl, use_triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as ttgl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    # renamed after triton 3.6 (3.9: async_load for both copies, the old names raise;
+    # memdesc .reinterpret; ttgl.barrier)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _memdesc_reinterpret = (getattr(ttgl.shared_memory_descriptor, "reinterpret", None)
+                            or ttgl.shared_memory_descriptor._reinterpret)
+    _cta_barrier = getattr(ttgl, "thread_barrier", None) or ttgl.barrier
+    HAS_GLUON = True
+    _jit = gluon.jit
+except ImportError:  # no triton, or one without Gluon's Hopper API: w4_gemv_applies is False
+    HAS_GLUON = False
+    GluonTensorDescriptor = None
+
+    def _jit(fn):
+        return fn
 
 GROUP = 128  # codes per scale group (the only group size this kernel takes)
 MAX_M = 2  # rows of x (programs along grid axis 0: the second row reads the weights from L2)
@@ -162,7 +170,7 @@ def _axis_layout_impl(layout, axis):
     return layout
 
 
-_axis_layout = constexpr_function(_axis_layout_impl)
+_axis_layout = gluon.constexpr_function(_axis_layout_impl) if HAS_GLUON else _axis_layout_impl
 
 
 @_jit
@@ -185,6 +193,17 @@ def _split8(t):
     c1, c5 = ttgl.split(o0)
     c3, c7 = ttgl.split(o1)
     return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@_jit
+def _gdc(WAIT: ttgl.constexpr):
+    """griddepcontrol.wait (WAIT) or .launch_dependents, as kiln.kernels._triton.wait_for_inputs."""
+    if WAIT:
+        ttgl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=ttgl.int32,
+                                    is_pure=False, pack=1)
+    else:
+        ttgl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                    dtype=ttgl.int32, is_pure=False, pack=1)
 
 
 @_jit
@@ -264,7 +283,7 @@ def _w4_gemv_kernel(
         for s in ttgl.static_range(NUM_STEPS):
             mbarrier.expect(bars[s], CHUNK_BYTES)
         for s in ttgl.static_range(NUM_STEPS):
-            tma_load(w_desc, [row0, kw0 + s * CHUNK_KW], bars[s], bufs[s])
+            _tma_load(w_desc, [row0, kw0 + s * CHUNK_KW], bars[s], bufs[s])
     else:  # a ring of NUM_STAGES buffers
         ring = ttgl.allocate_shared_memory(ttgl.int32, [NUM_STAGES, BLOCK_N, CHUNK_KW],
                                            w_desc.layout)
@@ -274,7 +293,7 @@ def _w4_gemv_kernel(
             mbarrier.init(ring_bars.index(s), count=1)
         for s in ttgl.static_range(NUM_STAGES):
             mbarrier.expect(ring_bars.index(s), CHUNK_BYTES)
-            tma_load(w_desc, [row0, kw0 + s * CHUNK_KW], ring_bars.index(s), ring.index(s))
+            _tma_load(w_desc, [row0, kw0 + s * CHUNK_KW], ring_bars.index(s), ring.index(s))
     # scales (weights too: before the PDL wait) into registers: [step, row, group of the step]
     si = ttgl.arange(0, SCALE_STEPS, layout=_axis_layout(LS, 0))
     sr = ttgl.arange(0, BLOCK_N, layout=_axis_layout(LS, 1))
@@ -287,8 +306,8 @@ def _w4_gemv_kernel(
     s_vals = ttgl.load(s_ptr + rows_s.to(ttgl.int64) * stride_sn + g, mask=s_mask, other=0.0)
 
     if USE_PDL:
-        gdc(True)
-        gdc(False)
+        _gdc(True)
+        _gdc(False)
 
     # 2. x (written by the previous kernel), staged by cp.async in one go (steps padded to a
     # power of two, zero-filled): [step, column, word, code]
@@ -299,23 +318,23 @@ def _w4_gemv_kernel(
     bw = ttgl.arange(0, 8, layout=_axis_layout(LC, 3))
     k = ((kw0 + bi[:, None, None, None] * CHUNK_KW + bc[None, :, None, None] * 4
           + bv[None, None, :, None]) * 8 + bw[None, None, None, :])
-    cp_async(xs, x_ptr + pid_m * stride_xm + k,
+    _cp_async(xs, x_ptr + pid_m * stride_xm + k,
               mask=(bi < NUM_STEPS)[:, None, None, None] & (k < K))
-    xs = memdesc_reinterpret(xs, ttgl.bfloat16, [SCALE_STEPS, NC, 4, 8], PLAIN3)
+    xs = _memdesc_reinterpret(xs, ttgl.bfloat16, [SCALE_STEPS, NC, 4, 8], PLAIN3)
     bj = ttgl.arange(0, 8, layout=_axis_layout(LB, 2))
     async_copy.commit_group()
     # meanwhile the scales, each repeated for the 4 columns of its group: [step, row, column]
     s2 = ttgl.join(s_vals, s_vals)
     st = ttgl.allocate_shared_memory(ttgl.bfloat16, [SCALE_STEPS, BLOCK_N, NC], PLAIN3,
                                      ttgl.reshape(ttgl.join(s2, s2), [SCALE_STEPS, BLOCK_N, NC]))
-    st = memdesc_reinterpret(st, ttgl.bfloat16, [SCALE_STEPS, BLOCK_N, NC], PLAIN2)
+    st = _memdesc_reinterpret(st, ttgl.bfloat16, [SCALE_STEPS, BLOCK_N, NC], PLAIN2)
     async_copy.wait_group(0)
-    cta_barrier()
+    _cta_barrier()
 
     # the decode's x tables: xt [step * 8 + code j, column, word] = x_j 2^X_SHIFTS[j]
     # (built as [step][column, word, j] through a permuted view), dt [step, column, word] = -D
     xt = ttgl.allocate_shared_memory(ttgl.float32, [NUM_STEPS * 8, NC, 4], PLAIN2)
-    xt_build = memdesc_reinterpret(xt, ttgl.float32, [NUM_STEPS, 8, NC, 4], PLAIN3)
+    xt_build = _memdesc_reinterpret(xt, ttgl.float32, [NUM_STEPS, 8, NC, 4], PLAIN3)
     dt = ttgl.allocate_shared_memory(ttgl.float32, [NUM_STEPS, NC, 4], PLAIN2)
     shift = ttgl.where(bj < 3, 8 - 4 * bj, ttgl.where(bj < 5, 19 - 4 * bj, 28 - 4 * bj))
     mult = (1 << shift).to(ttgl.float32)[None, None, :]
@@ -324,7 +343,7 @@ def _w4_gemv_kernel(
         xw = xv * mult
         xt_build.index(i).permute([1, 2, 0]).store(xw)
         dt.index(i).store(-ttgl.sum(xw + 0.5 * xv, axis=2))
-    cta_barrier()
+    _cta_barrier()
 
     # 3. decode chunk i while chunks i + 1 .. i + NUM_STAGES - 1 land
     # 1.0f's bits as a run-time value (K > 0): an immediate is re-materialized before every use
@@ -347,11 +366,11 @@ def _w4_gemv_kernel(
                 assert_trivial=True)
             # refill the buffer with chunk i + NUM_STAGES once every warp's words are in
             # registers (the compiler inserts the same barrier and fence: explicit here)
-            cta_barrier()
+            _cta_barrier()
             fence_async_shared()
             refill = i + NUM_STAGES < NUM_STEPS
             mbarrier.expect(ring_bars.index(stage), CHUNK_BYTES, pred=refill)
-            tma_load(w_desc, [row0, kw0 + (i + NUM_STAGES) * CHUNK_KW], ring_bars.index(stage),
+            _tma_load(w_desc, [row0, kw0 + (i + NUM_STAGES) * CHUNK_KW], ring_bars.index(stage),
                       ring.index(stage), pred=refill)
             acc = _decode_step(acc, words, xt, dt, st, i, one, L3, LOAD_ONLY)
         for s in ttgl.static_range(NUM_STAGES):
@@ -446,11 +465,17 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     return out.sum(0).to(out_dtype) if p.split > 1 else out
 
 
-def compile_w4_gemv_sm90(config: W4GemvConfig, k: int, out_dtype: str = "bf16",
-                         use_pdl: bool = True, load_only: bool = False):
-    """The kernel compiled for sm_90 on any host (_gluon.compile_sm90), N unspecialized (odd row
-    counts)."""
+def compile_sm90(config: W4GemvConfig, k: int, out_dtype: str = "bf16", use_pdl: bool = True,
+                 load_only: bool = False):
+    """The kernel compiled for sm_90 on any host (no GPU needed): triton's CompiledKernel, whose
+    asm holds ttgir / ptx / cubin. Integer arguments specialized as a launch would (divisible by
+    16) except N, for odd row counts."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
     p = plan(config, k)
+    fn = _w4_gemv_kernel
     layout = _word_layout()
     sig = {"w_desc": f"tensordesc<i32[{config.block_n}, {config.chunk_kw}],{layout!r}>",
            "x_ptr": "*bf16", "s_ptr": "*bf16",
@@ -458,4 +483,10 @@ def compile_w4_gemv_sm90(config: W4GemvConfig, k: int, out_dtype: str = "bf16",
            "N": "i32", "K": "i32", "stride_xm": "i32", "stride_sn": "i32", "stride_om": "i32",
            "stride_os": "i32"}
     consts = _constexprs(config, k, p.num_steps, p.split, use_pdl, load_only)
-    return compile_sm90(_w4_gemv_kernel, sig, consts, config.num_warps, unspecialized=("N",))
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, ty in sig.items() if ty.startswith("*") or ty == "i32" and name != "N"}
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v
+                                              for c, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=config.num_warps))

@@ -48,15 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.kernels._triton import (
-    COUNTER_CAPACITY,
-    arrival_counters,
-    num_sms,
-    pdl,
-    tl,
-    triton,
-    wait_for_inputs,
-)
+from kiln.kernels._triton import num_sms, pdl, tl, triton, wait_for_inputs
 
 MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
 # above (per code width): dequantize + cuBLAS, faster over a Llama-3.1-8B layer from 2048 rows
@@ -69,6 +61,7 @@ MMA_X_TILE_MAX = 256  # rows of x a program takes at most; more rows: more x til
 MMA_W8_SMALL_MAX_M = 32
 MMA_W8_SMALL_MAX_CODES = 1 << 25
 MIN_STEPS_PER_SPLIT = 8  # K steps a program keeps when K is split (fewer: no further split)
+_COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
 
 # per asm instance: a word in $1 ($2 is the same register), a second word in $3 ($4), the prmt
@@ -200,6 +193,21 @@ def _wint_mma_kernel(
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
+_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the tensor-core weight-only GEMM allocates its split-K counters on first use, "
+                "which cannot happen inside a CUDA graph capture: run the model once eagerly "
+                "before capturing")
+        _counters[key] = torch.zeros(_COUNTER_CAPACITY, device=device, dtype=torch.int32)
+    return _counters[key]
+
+
 def _per_channel_step(k: int) -> int | None:
     """Codes of K per step with per-channel scales: 64 (the H100 sweep's best for 8-bit codes
     at 4-64 rows, results/h100/wint_mma.txt), else 32 where 64 does not divide K."""
@@ -284,7 +292,7 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     k_step = group if grouped else tiles.k_step
     assert k % k_step == 0 and k_step % cpw == 0
     x_tiles, row_tiles = triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n)
-    assert x_tiles * row_tiles <= COUNTER_CAPACITY, \
+    assert x_tiles * row_tiles <= _COUNTER_CAPACITY, \
         f"{m} x {n}: more output tiles than the split-K counters"
     step_w = k_step // cpw
     split = tiles.split or _split(tiles, x_tiles * row_tiles, k // k_step, x.device)
@@ -292,7 +300,7 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     parts = (torch.empty(x_tiles * row_tiles * split * tiles.block_n * tiles.block_m,
                          device=x.device, dtype=torch.float32) if split > 1 else out)
-    counters = arrival_counters(x.device) if split > 1 else out
+    counters = _arrival_counters(x.device) if split > 1 else out
     _wint_mma_kernel[(x_tiles, row_tiles, split)](
         x, words, scales, smooth if smooth is not None else scales, out, parts, counters,
         m, n, kw, steps_per_split * step_w, x.stride(0), words.stride(0), scales.stride(0),

@@ -19,7 +19,6 @@ from test_quant_gemm import make_weight, naive  # noqa: E402
 
 from kiln.kernels import quant_gemm as qg  # noqa: E402
 from kiln.kernels import wint_mma as mma  # noqa: E402
-from kiln.kernels._triton import arrival_counters  # noqa: E402
 
 
 def _check(n, k, bits, group, m, dtype, device, tiles=None, smooth=False, seed=0, tol=3e-3):
@@ -85,7 +84,7 @@ def test_wint_mma_split_sum_is_repeatable_and_counters_reset():
     first, args = _check(130, 512, 4, 64, 6, torch.float16, "cpu", tiles)
     again = mma.wint_mma_gemm(args[0], args[1], args[2], 4, 64, tiles=tiles)
     assert torch.equal(first, again)
-    assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
+    assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 @needs_triton
@@ -95,7 +94,7 @@ def test_wint_mma_tiles_x_rows(bits, group, split):
     each with its own split-K partials and counters; the counters are back at zero after."""
     _check(80, 384, bits, group, 40, torch.float16, "cpu", mma.MmaTiles(64, split, 16),
            seed=split)
-    assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
+    assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 def _applies(m, bits=4, group=128, k=256, n=64, zeros=None, perm=None, fp8=False,
