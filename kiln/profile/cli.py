@@ -44,12 +44,13 @@ def summary_markdown(result: dict[str, Any], top: int) -> str:
     launches = m.get("launches") or []
     if launches:
         md += (f"\n## top {min(top, len(launches))} of {len(launches)} launch configurations "
-               "(device kernels by grid and block: one row per layer shape of a shared kernel)"
-               "\n\n")
+               "(device kernels by grid and block: one row per layer shape of a shared kernel; "
+               "\"ms\": their own durations, which overlap where a launch is programmatic "
+               "(PDL); \"path ms\": their share of the stream's busy time)\n\n")
         md += markdown_table(
-            ["kernel", "grid", "block", "calls", "ms", "mean us"],
-            [[r["name"], r["grid"], r["block"], r["calls"], r["time_us"] / 1e3, r["mean_us"]]
-             for r in launches[:top]])
+            ["kernel", "grid", "block", "calls", "path ms", "ms", "mean us"],
+            [[r["name"], r["grid"], r["block"], r["calls"], r["path_us"] / 1e3,
+              r["time_us"] / 1e3, r["mean_us"]] for r in launches[:top]])
     return md
 
 

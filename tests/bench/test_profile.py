@@ -108,6 +108,26 @@ def test_launch_rows_tell_one_kernels_layers_apart():
     assert launch_rows({}) == []
 
 
+def test_launch_rows_share_a_streams_busy_time_where_kernels_overlap():
+    """A PDL launch starts before the kernel before it ends: its share of the stream runs from
+    that completion to its own; idle time before a kernel is nobody's; streams count apart."""
+    def kernel(name, ts, dur, stream=7):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"grid": [64, 1, 1], "block": [256, 1, 1], "stream": stream}}
+
+    trace = {"traceEvents": [
+        kernel("gemm", 0.0, 10.0), kernel("norm", 5.0, 7.0),  # norm waits from 5 to 10
+        kernel("gemm", 20.0, 10.0),  # after 8 idle
+        kernel("copy", 3.0, 4.0, stream=8),  # another stream, overlapping in time
+    ]}
+    rows = {r["name"]: r for r in launch_rows(trace)}
+    assert rows["gemm"]["path_us"] == 20.0 and rows["gemm"]["time_us"] == 20.0
+    assert rows["norm"]["path_us"] == 2.0 and rows["norm"]["time_us"] == 7.0
+    assert rows["copy"]["path_us"] == 4.0
+    assert [r["name"] for r in launch_rows(trace)] == ["gemm", "copy", "norm"]
+    assert sum(r["path_us"] for r in rows.values() if r["name"] != "copy") == 10.0 + 2.0 + 10.0
+
+
 def test_annotate_engine_wraps_and_restores(tiny_llama):
     from kiln.llm import LLM
 
@@ -169,10 +189,10 @@ def test_profile_command_on_tiny_model(tiny_llama, tmp_path):
     assert "| kernel / op |" in summary
     assert m["launches"] == [] and "launch configurations" not in summary  # no device kernels
     m["launches"] = [{"name": "_gemm_kernel", "grid": "1x128x1", "block": "128x1x1",
-                      "calls": 64, "time_us": 900.0, "mean_us": 14.0625}]
+                      "calls": 64, "time_us": 900.0, "mean_us": 14.0625, "path_us": 640.0}]
     with_launches = summary_markdown(result, top=5)
     assert "top 1 of 1 launch configurations" in with_launches
-    assert "| _gemm_kernel | 1x128x1 | 128x1x1 | 64 |" in with_launches
+    assert "| _gemm_kernel | 1x128x1 | 128x1x1 | 64 | 0.6 | 0.9 | 14.1 |" in with_launches
 
 
 def test_profile_nvtx_only_runs_without_torch_profiler(tiny_llama, tmp_path):
