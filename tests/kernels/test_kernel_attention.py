@@ -179,3 +179,15 @@ def test_gpu(seq_len, kind, heads, dtype):
         q_lens = [1] * len(seq_lens)
     run_case(paged_attention, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, 16, dtype,
              device="cuda", seed=seq_len, new_kv=new_kv)  # fmt: skip
+
+
+@gpu
+@pytest.mark.parametrize("num_seqs", [64, 160])
+def test_gpu_decode_big_batches(num_seqs):
+    """Decode batches of at least one (sequence, kv head) pair per SM, the launches the small
+    cases above never reach: 64 x 8 pairs (4 warps, no software pipeline on an H100) and 160 x 8
+    (from 8 pairs an SM: 2 warps, 2 stages); ragged contexts of 1 to 900 tokens."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    seq_lens = torch.randint(1, 900, (num_seqs,), generator=gen).tolist()
+    run_case(paged_attention, [1] * num_seqs, seq_lens, 32, 8, 128, 16, torch.bfloat16,
+             device="cuda", seed=num_seqs)  # fmt: skip

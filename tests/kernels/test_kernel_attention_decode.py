@@ -13,6 +13,8 @@ from kernel_testing import INTERPRET_DTYPES, assert_rel_close, make_paged_kv, ne
 from kiln.kernels.attention import paged_attention_ref
 from kiln.kernels.attention_decode import (
     DECODE_CONFIG,
+    LARGE_BATCH_CONFIG,
+    LARGE_BATCH_PROGRAMS_PER_SM,
     MIN_PARTITION_LEN,
     PROGRAMS_PER_SM,
     SMALL_BATCH_CONFIG,
@@ -36,6 +38,8 @@ H100_SMS = 132
         (17, 4096, DecodeLaunch(*DECODE_CONFIG, 2)),  # 136 pairs >= 132 SMs: the large tile
         (64, 1024, DecodeLaunch(*DECODE_CONFIG, 1)),  # big batch: one partition, no reduction
         (64, 4096, DecodeLaunch(*DECODE_CONFIG, 1)),
+        (132, 4096, DecodeLaunch(*LARGE_BATCH_CONFIG, 1)),  # 8 pairs an SM: 2 warps, 2 stages
+        (512, 4096, DecodeLaunch(*LARGE_BATCH_CONFIG, 1)),
         (1, 100, DecodeLaunch(*TINY_BATCH_CONFIG, 1)),  # shorter than MIN_PARTITION_LEN
     ],
 )
@@ -52,7 +56,8 @@ def test_launch_config_bounds(sms, num_kv_heads):
             launch = decode_launch_config(num_seqs, num_kv_heads, max_seqlen_k, sms)
             programs = max(num_seqs * num_kv_heads, 1)
             what = f"{num_seqs} seqs x {num_kv_heads} kv heads, max {max_seqlen_k}, {sms} SMs"
-            tile = (DECODE_CONFIG if programs >= sms else TINY_BATCH_CONFIG
+            tile = (LARGE_BATCH_CONFIG if programs >= LARGE_BATCH_PROGRAMS_PER_SM * sms
+                    else DECODE_CONFIG if programs >= sms else TINY_BATCH_CONFIG
                     if programs <= TINY_BATCH_PROGRAMS else SMALL_BATCH_CONFIG)
             assert launch[:3] == tile, what
             assert 1 <= launch.num_splits <= max(1, -(-max_seqlen_k // MIN_PARTITION_LEN)), what
