@@ -331,7 +331,7 @@ DECODE_ALTERNATIVES = [
     (64, 2, 3, 1, 1), (64, 2, 4, 1, 1), (32, 2, 2, 1, 1), (32, 2, 3, 1, 1), (32, 2, 4, 1, 1),
     (64, 2, 2, 2, 1), (128, 2, 2, 1, 1), (128, 8, 3, 1, 1),
     (64, 2, 1, 1, 1), (64, 4, 1, 1, 1), (32, 2, 1, 1, 1), (128, 4, 1, 1, 1), (64, 1, 2, 1, 1),
-    (32, 1, 2, 1, 1), (32, 1, 3, 1, 1), (32, 4, 1, 1, 1),
+    (32, 1, 2, 1, 1), (32, 1, 3, 1, 1),
 ]  # fmt: skip
 # a graph cycles through this many L2 sizes of K/V, so that each call reads them from DRAM as a
 # real step does (a whole model's weights pass through L2 between two reads of a layer's cache)

@@ -39,15 +39,20 @@ from kiln.kernels.attention_prefill import (
 )
 
 # (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py --decode-sweep,
-# benchmarks/results/h100/decode_sweep.txt). Up to LARGE_BATCH_PROGRAMS_PER_SM (sequence, kv
-# head) pairs an SM: 64-key tiles in 4 warps without a software pipeline (the K/V tiles go
-# straight to registers; the programs of an SM hide each other's loads): at batch 1, 512 keys
-# 4.5 us against 5.1 for the 32/4w2s before it (1024 keys: 5.3 against 7.0); batch 8, 512 keys:
-# 11.1 against 13.1 for 64/4w2s; 64 x 512 keys: 49.5 against 51.1 for 64/2w2s. With more pairs
-# (512 x 8 kv heads, 640 keys) 64/2w2s stays ahead, 458.9 us against 460.8.
+# benchmarks/results/h100/decode_sweep.txt). From one (sequence, kv head) pair per SM up to
+# LARGE_BATCH_PROGRAMS_PER_SM of them, 4 warps and no software pipeline: the K/V tiles go
+# straight to registers and several programs an SM hide each other's loads (64 x 512 keys: 49.5
+# us against 51.1 for 64/2w2s, 64 x 768: 71.6 against 72.9); with more pairs (512 x 8 kv heads,
+# 640 keys) 64/2w2s stays ahead, 458.9 us against 460.8. With fewer pairs than SMs a partition
+# is often a single tile, and a smaller tile lets a short context spread over more programs.
 DECODE_CONFIG = (64, 4, 1)
 LARGE_BATCH_CONFIG = (64, 2, 2)
 LARGE_BATCH_PROGRAMS_PER_SM = 8
+SMALL_BATCH_CONFIG = (64, 4, 2)
+# at most TINY_BATCH_PROGRAMS pairs (batch 1 or 2 with 8 kv heads): 32-key tiles, the sweep's best
+# at 128-512 tokens of context (batch 1, 256 tokens: 7.2 us against 8.0 with 64-key tiles)
+TINY_BATCH_CONFIG = (32, 4, 2)
+TINY_BATCH_PROGRAMS = 16
 # at full length (max_seqlen_k keys) shorter partitions cost more in the reduction than they win
 # in overlap; a shorter real context still goes down to one tile per partition
 MIN_PARTITION_LEN = 256
@@ -70,13 +75,18 @@ def decode_launch_config(
     not read a tensor. The split count gives ~PROGRAMS_PER_SM programs per SM at full length with
     partitions of at least MIN_PARTITION_LEN keys (the previous policy, unchanged). What makes a
     short context fast is that the kernel sizes partitions from the real length, down to one
-    BLOCK_N tile: a 256-token context at batch 1 (8 kv heads) runs 32 one-tile programs instead
-    of 8 four-tile ones. From one pair per SM up there is a pair for every SM (at 64 x 8 pairs
-    one split and no reduction); from LARGE_BATCH_PROGRAMS_PER_SM an SM, LARGE_BATCH_CONFIG.
+    BLOCK_N tile: with fewer (sequence, kv head) pairs than SMs the tile is SMALL_BATCH_CONFIG's
+    64 keys (TINY_BATCH_CONFIG's 32 for a handful of pairs), so that a 256-token context at batch
+    1 (8 kv heads) runs 64 one-tile programs instead of 8 two-tile ones. With at least one pair
+    per SM, DECODE_CONFIG (LARGE_BATCH_CONFIG from LARGE_BATCH_PROGRAMS_PER_SM pairs an SM):
+    every SM already has a pair to work on (at 64 x 8 pairs there is one split and no
+    reduction, as before).
     """
     programs = max(num_seqs * num_kv_heads, 1)
     block_n, num_warps, num_stages = (
-        LARGE_BATCH_CONFIG if programs >= LARGE_BATCH_PROGRAMS_PER_SM * sms else DECODE_CONFIG)
+        LARGE_BATCH_CONFIG if programs >= LARGE_BATCH_PROGRAMS_PER_SM * sms
+        else DECODE_CONFIG if programs >= sms
+        else TINY_BATCH_CONFIG if programs <= TINY_BATCH_PROGRAMS else SMALL_BATCH_CONFIG)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
     num_splits = max(1, min(wanted, triton.cdiv(max_seqlen_k, MIN_PARTITION_LEN)))
     return DecodeLaunch(block_n, num_warps, num_stages, num_splits)

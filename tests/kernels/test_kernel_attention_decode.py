@@ -17,6 +17,9 @@ from kiln.kernels.attention_decode import (
     LARGE_BATCH_PROGRAMS_PER_SM,
     MIN_PARTITION_LEN,
     PROGRAMS_PER_SM,
+    SMALL_BATCH_CONFIG,
+    TINY_BATCH_CONFIG,
+    TINY_BATCH_PROGRAMS,
     DecodeLaunch,
     decode_launch_config,
     paged_attention_decode_triton,
@@ -28,16 +31,16 @@ H100_SMS = 132
 @pytest.mark.parametrize(
     ("num_seqs", "max_seqlen_k", "expected"),
     [
-        (1, 4096, DecodeLaunch(*DECODE_CONFIG, 16)),  # batch-1 graph: 16 splits
-        (8, 4096, DecodeLaunch(*DECODE_CONFIG, 5)),
-        (8, 16384, DecodeLaunch(*DECODE_CONFIG, 5)),  # full length: 5 x 3328 keys, as before
-        (16, 4096, DecodeLaunch(*DECODE_CONFIG, 3)),
-        (17, 4096, DecodeLaunch(*DECODE_CONFIG, 2)),  # 136 pairs >= 132 SMs
+        (1, 4096, DecodeLaunch(*TINY_BATCH_CONFIG, 16)),  # batch-1 graph: tiny tiles, 16 splits
+        (8, 4096, DecodeLaunch(*SMALL_BATCH_CONFIG, 5)),
+        (8, 16384, DecodeLaunch(*SMALL_BATCH_CONFIG, 5)),  # full length: 5 x 3328 keys, as before
+        (16, 4096, DecodeLaunch(*SMALL_BATCH_CONFIG, 3)),
+        (17, 4096, DecodeLaunch(*DECODE_CONFIG, 2)),  # 136 pairs >= 132 SMs: the large tile
         (64, 1024, DecodeLaunch(*DECODE_CONFIG, 1)),  # big batch: one partition, no reduction
         (64, 4096, DecodeLaunch(*DECODE_CONFIG, 1)),
         (132, 4096, DecodeLaunch(*LARGE_BATCH_CONFIG, 1)),  # 8 pairs an SM: 2 warps, 2 stages
         (512, 4096, DecodeLaunch(*LARGE_BATCH_CONFIG, 1)),
-        (1, 100, DecodeLaunch(*DECODE_CONFIG, 1)),  # shorter than MIN_PARTITION_LEN
+        (1, 100, DecodeLaunch(*TINY_BATCH_CONFIG, 1)),  # shorter than MIN_PARTITION_LEN
     ],
 )
 def test_launch_config_h100_llama8b(num_seqs, max_seqlen_k, expected):
@@ -54,7 +57,8 @@ def test_launch_config_bounds(sms, num_kv_heads):
             programs = max(num_seqs * num_kv_heads, 1)
             what = f"{num_seqs} seqs x {num_kv_heads} kv heads, max {max_seqlen_k}, {sms} SMs"
             tile = (LARGE_BATCH_CONFIG if programs >= LARGE_BATCH_PROGRAMS_PER_SM * sms
-                    else DECODE_CONFIG)
+                    else DECODE_CONFIG if programs >= sms else TINY_BATCH_CONFIG
+                    if programs <= TINY_BATCH_PROGRAMS else SMALL_BATCH_CONFIG)
             assert launch[:3] == tile, what
             assert 1 <= launch.num_splits <= max(1, -(-max_seqlen_k // MIN_PARTITION_LEN)), what
             # at full length, at most one program per SM beyond the PROGRAMS_PER_SM target
@@ -95,7 +99,7 @@ def run_decode(
 # paged_attention_decode_triton overrides; what is left out is decode_launch_config's choice and
 # a one-tile partition floor
 LAUNCHES = {
-    "policy": {},  # the interpreter's nominal 8 SMs: 6 pairs, DECODE_CONFIG, 3 splits
+    "policy": {},  # the interpreter's nominal 8 SMs: 6 pairs, SMALL_BATCH_CONFIG, 3 splits
     "one-tile": {"config": (16, 4, 1), "num_splits": 64},  # 100 keys: 7 partitions of 16
     "all-splits": {"config": (16, 4, 1), "num_splits": 3},  # 100 keys: 48 + 48 + 4
     "two-tiles": {"config": (16, 4, 1), "num_splits": 64, "min_partition_len": 32},
