@@ -10,7 +10,7 @@ a split-K GEMM timed alone in a graph of itself ranked two split counts the othe
 
 With programmatic dependent launch a kernel starts while the one before it still runs (and
 waits), so its own duration counts time that is the kernel before's: an RMSNorm of a decode step
-lasts ~29 us from its start, of which ~1.6 us are its own (benchmarks/results/h100/
+lasts ~29 us from its start, of which ~1.5 us are its own (benchmarks/results/h100/
 profile_bs64_pdl). Each row therefore also has the kernels' share of their stream's
 busy time: from the later of the kernel's start and the completion before it on the stream,
 to its own completion. The shares of a stream add up to the time it was busy.
