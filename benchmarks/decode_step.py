@@ -5,7 +5,7 @@ times the replays with CUDA events. Set next to `kiln bench latency`'s inter-tok
 says whether a step is bound by the GPU or by the engine's host loop. Llama-3.1-8B shape, dummy
 weights. On the GPU machine:
 
-    PYTHONPATH=. python3 benchmarks/decode_step.py [--quantization int4] [--batch-size 1]
+    PYTHONPATH=. python3 benchmarks/decode_step.py [--quantization int4] [--batch-size 1,16,64]
         [--context 256]
 
 The context matters: replaying the graph with the inputs its capture left (one token of
@@ -20,7 +20,8 @@ from kiln.engine.llm_engine import LLMEngine
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--quantization", default=None)
-parser.add_argument("--batch-size", type=int, default=1)
+parser.add_argument("--batch-size", default="1",
+                    help="comma-separated batch sizes, each timed on the one engine")
 parser.add_argument("--replays", type=int, default=200)
 parser.add_argument("--context", type=int, default=256,
                     help="tokens of context per sequence, the new one included (the latency "
@@ -31,21 +32,22 @@ engine = LLMEngine.from_kwargs("benchmarks/workloads/llama-3.1-8b", load_format=
                                max_model_len=4096, quantization=args.quantization)
 graphs = engine.runner.graphs
 pages = -(-args.context // graphs.block_size)
-if args.batch_size * pages > engine.kv_cache.num_blocks:
-    raise SystemExit(f"{args.batch_size} x {args.context} tokens need {args.batch_size * pages} "
-                     f"KV blocks; the cache has {engine.kv_cache.num_blocks}")
-tables = [list(range(i * pages, (i + 1) * pages)) for i in range(args.batch_size)]
-graphs.run([0] * args.batch_size, [args.context - 1] * args.batch_size, tables)  # inputs, once
-graph = graphs.graphs[("decode", next(s for s in graphs.batch_sizes if s >= args.batch_size))]
-for _ in range(10):
-    graph.replay()
 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-start.record()
-for _ in range(args.replays):
-    graph.replay()
-end.record()
-torch.cuda.synchronize()
-ms = start.elapsed_time(end) / args.replays
-print(f"decode step, batch {args.batch_size} x {args.context} tokens of context, "
-      f"{args.quantization or 'bf16'}: {ms:.3f} ms of "
-      f"device time per step ({1e3 / ms:.1f} steps/s) over {args.replays} back-to-back replays")
+for batch in [int(b) for b in args.batch_size.split(",")]:
+    if batch * pages > engine.kv_cache.num_blocks:
+        raise SystemExit(f"{batch} x {args.context} tokens need {batch * pages} KV blocks; the "
+                         f"cache has {engine.kv_cache.num_blocks}")
+    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(batch)]
+    graphs.run([0] * batch, [args.context - 1] * batch, tables)  # inputs, once
+    graph = graphs.graphs[("decode", next(s for s in graphs.batch_sizes if s >= batch))]
+    for _ in range(10):
+        graph.replay()
+    start.record()
+    for _ in range(args.replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / args.replays
+    print(f"decode step, batch {batch} x {args.context} tokens of context, "
+          f"{args.quantization or 'bf16'}: {ms:.3f} ms of "
+          f"device time per step ({1e3 / ms:.1f} steps/s) over {args.replays} back-to-back replays")

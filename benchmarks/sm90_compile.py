@@ -5,7 +5,7 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
 
     python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
         [--stages 3] [--k-step 128] [--per-channel] [--split 2]
-    python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8]
+    python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8] [--pdl]
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
     ... [--unspecialized M,stride_om]
 
@@ -53,7 +53,8 @@ def gemm_variant(a: argparse.Namespace) -> tuple:
     sig = {"x_ptr": f"*{el}", "xs_ptr": "*fp32", "w_ptr": f"*{el}", "ws_ptr": "*fp32",
            "bias_ptr": "*bf16", "y_ptr": "*bf16"}
     consts = dict(SCALED=a.fp8, HAS_BIAS=False, GATED=False, BLOCK_M=a.block_m,
-                  BLOCK_N=a.block_n, BLOCK_K=a.block_k, USE_PDL=False)
+                  BLOCK_N=a.block_n, BLOCK_K=a.block_k, PREFETCH_STEPS=gemm.PREFETCH_K_STEPS,
+                  USE_PDL=a.pdl)
     return gemm._gemm_kernel, sig, consts
 
 
@@ -100,7 +101,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
-    for flag in ("per-channel", "fp8"):
+    for flag in ("per-channel", "fp8", "pdl"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
     parser.add_argument("--unspecialized", default="M",

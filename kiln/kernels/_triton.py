@@ -40,8 +40,8 @@ if HAS_TRITON:  # an installed triton too old for the kernels is an error, not a
             f"Kiln's kernels need triton >= 3.4 (host TMA descriptors); found triton "
             f"{triton.__version__}. Upgrade it: pip install 'triton>=3.4'") from exc
 
-__all__ = ["HAS_TRITON", "TensorDescriptor", "next_power_of_2", "num_sms", "pdl", "tl", "triton",
-           "use_triton", "wait_for_inputs"]
+__all__ = ["HAS_TRITON", "TensorDescriptor", "next_power_of_2", "num_sms", "pdl", "prefetch_l2",
+           "tl", "triton", "use_triton", "wait_for_inputs"]
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -89,6 +89,17 @@ def wait_for_inputs(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, USE_PDL: tl.constexpr):
+    """PDL: ask L2 for the line holding each of ``ptrs`` (any shape, every address valid), so a
+    kernel waiting on its predecessor has its first weight bytes on their way. A hint: nothing
+    is loaded into registers or shared memory, so the K loop's software pipeline is untouched.
+    A no-op without PDL (and under the interpreter)."""
+    if USE_PDL:
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=16)

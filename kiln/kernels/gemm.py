@@ -26,13 +26,17 @@ from typing import NamedTuple
 
 import torch
 
-from kiln.kernels._triton import num_sms, pdl, tl, triton, use_triton, wait_for_inputs
+from kiln.kernels._triton import num_sms, pdl, prefetch_l2, tl, triton, use_triton, wait_for_inputs
 from kiln.kernels.activation import silu_and_mul_ref, silu_mul
 
 # 16-bit rows up to which gemm_triton replaces cuBLAS for dense weights: at M = 16-64 it matches
 # or beats cuBLAS on every Llama-3.1-8B layer (gemm_sweep.txt) and keeps the step PDL-chained;
 # at 128 its 64-row tiles lose (gate_up 110 against 89 us)
 DENSE_MAX_M = 64
+
+# K steps of each program's weight rows asked of L2 before the PDL wait (0: none), so the fill of
+# the K loop's pipeline overlaps the previous kernel
+PREFETCH_K_STEPS = 2
 
 
 class GemmTiles(NamedTuple):
@@ -70,14 +74,17 @@ def _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_ma
 def _gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_STEPS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """N: weight rows; K a multiple of BLOCK_K (checked by the launcher). Row tiles are the
     fastest grid axis, so the programs that share a weight tile run together and read it from
     HBM once.
 
-    Nothing is loaded before the wait: taking the first weight tile before it (peeled out of
-    the loop, as the weight-only GEMV does) cost 1-3% end to end on the H100 (ab_runs.txt 24)."""
+    Nothing is loaded into registers before the wait: taking the first weight tile before it
+    (peeled out of the loop, as the weight-only GEMV does) broke the K loop's pipeline and cost
+    1-3% end to end on the H100 (ab_runs.txt 24). The first PREFETCH_STEPS K steps of the
+    weight rows are only asked of L2 there."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,6 +97,11 @@ def _gemm_kernel(
     n_mask = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if PREFETCH_STEPS > 0:
+        line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # a 128-byte line
+        lines = tl.arange(0, (PREFETCH_STEPS * BLOCK_K + line - 1) // line) * line
+        prefetch_l2(w_ptr + tl.where(n_mask, rows, 0)[:, None].to(tl.int64) * stride_wn
+                    + tl.minimum(lines, K - 1)[None, :], USE_PDL)
     wait_for_inputs(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for _ in range(0, K, BLOCK_K):
@@ -165,7 +177,7 @@ def gemm_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
         x, x_scales if scaled else y, w, w_scales if scaled else y,
         bias if bias is not None else y, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         SCALED=scaled, HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH_STEPS=PREFETCH_K_STEPS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
     return y
