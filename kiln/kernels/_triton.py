@@ -41,7 +41,7 @@ if HAS_TRITON:  # an installed triton too old for the kernels is an error, not a
             f"{triton.__version__}. Upgrade it: pip install 'triton>=3.4'") from exc
 
 __all__ = ["HAS_TRITON", "TensorDescriptor", "next_power_of_2", "num_sms", "pdl", "prefetch_l2",
-           "tl", "triton", "use_triton", "wait_for_inputs"]
+           "release_then_wait", "tl", "triton", "use_triton", "wait_for_inputs"]
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -73,13 +73,15 @@ def num_sms(device: torch.device) -> int:
 # (weights, the engine's per-step inputs, KV-cache entries of earlier steps) overlap the previous
 # kernel's tail; at decode batch sizes every layer is ~10 kernels of a few microseconds, and these
 # gaps are a large share of the step. The next kernel is released only after this kernel's wait,
-# so a chain of PDL launches never overlaps more than two kernels, and everything older than the
-# immediate predecessor has finished when a kernel starts. The contract, kept by every kernel that
-# takes USE_PDL:
-# - before ``wait_for_inputs`` it stores nothing (a store could overwrite memory the previous
-#   kernel still reads) and reads nothing its immediate predecessor may write;
-# - every program calls it before exiting (a grid that exited without waiting would release the
-#   next kernel before this one's predecessor had finished).
+# so a chain of PDL launches overlaps at most two kernels, three where the middle one is a short
+# kernel that releases the next one first (``release_then_wait``). The contract, kept by every
+# kernel that takes USE_PDL:
+# - before its wait it stores nothing (a store could overwrite memory a running kernel still
+#   reads) and reads nothing the step's kernels write: only weights, the engine's per-step inputs
+#   (written before the step) and KV-cache entries of earlier steps;
+# - every program calls ``wait_for_inputs`` or ``release_then_wait`` before exiting (a grid that
+#   exited without waiting would let its dependents past their wait before its own predecessor
+#   had finished).
 
 
 @triton.jit
@@ -100,6 +102,18 @@ def prefetch_l2(ptrs, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
                                   dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def release_then_wait(USE_PDL: tl.constexpr):
+    """PDL for a short kernel between two long ones (the RMSNorm between two GEMMs): let the
+    next kernel launch first, then wait. Its programs take the SMs the kernel before this one
+    frees and start on their weights while it finishes (benchmarks/results/h100/ab_runs.txt
+    44). Waiting on this kernel still means waiting on its predecessor: this one finishes only
+    after its own wait."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @functools.lru_cache(maxsize=16)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels._triton import next_power_of_2, pdl, tl, triton, use_triton, wait_for_inputs
+from kiln.kernels._triton import next_power_of_2, pdl, release_then_wait, tl, triton, use_triton
 from kiln.kernels.row_quant import QuantizedRows, RowQuant, quantize_rows_ref, row_codes
 
 
@@ -38,7 +38,7 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
     if HAS_SMOOTH:
         smooth = tl.load(smooth_ptr + cols, mask=mask, other=0.0)
-    wait_for_inputs(USE_PDL)
+    release_then_wait(USE_PDL)  # the GEMM after the norm starts on its weights meanwhile
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
