@@ -35,8 +35,9 @@ from kiln.kernels.activation import silu_and_mul_ref, silu_mul
 DENSE_MAX_M = 64
 
 # K steps of each program's weight rows asked of L2 before the PDL wait (0: none), so the fill of
-# the K loop's pipeline overlaps the previous kernel
-PREFETCH_K_STEPS = 2
+# the K loop's pipeline overlaps the kernels before it. With the RMSNorm releasing the GEMM after
+# it early, 4 steps beat 2 and 8 (decode step at batch 16-64, ab_runs.txt 44)
+PREFETCH_K_STEPS = 4
 
 
 class GemmTiles(NamedTuple):
@@ -84,7 +85,7 @@ def _gemm_kernel(
     Nothing is loaded into registers before the wait: taking the first weight tile before it
     (peeled out of the loop, as the weight-only GEMV does) broke the K loop's pipeline and cost
     1-3% end to end on the H100 (ab_runs.txt 24). The first PREFETCH_STEPS K steps of the
-    weight rows are only asked of L2 there."""
+    weight rows are only asked of L2 there (L2 lines, as the ``line`` below: no registers)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
