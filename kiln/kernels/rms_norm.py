@@ -17,8 +17,21 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels._triton import next_power_of_2, pdl, release_then_wait, tl, triton, use_triton
+from kiln.kernels._triton import (
+    next_power_of_2,
+    pdl,
+    release_then_wait,
+    tl,
+    triton,
+    use_triton,
+    wait_for_inputs,
+)
 from kiln.kernels.row_quant import QuantizedRows, RowQuant, quantize_rows_ref, row_codes
+
+# Rows up to which the norm releases the kernel after it before its own PDL wait: a decode step's
+# norm is short and the GEMM after it gains the SMs the GEMM before it frees; a prefill step's
+# norm of thousands of rows is not (8192-token prefill steps ran slower; ab_runs.txt 44)
+RELEASE_FIRST_MAX_ROWS = 1024
 
 
 @triton.jit
@@ -29,7 +42,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr, IS_FP8: tl.constexpr, HAS_SMOOTH: tl.constexpr, STATIC: tl.constexpr,
     QMAX_: tl.constexpr, MIN_AMAX_: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, RELEASE_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -38,7 +51,10 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
     if HAS_SMOOTH:
         smooth = tl.load(smooth_ptr + cols, mask=mask, other=0.0)
-    release_then_wait(USE_PDL)  # the GEMM after the norm starts on its weights meanwhile
+    if RELEASE_FIRST:  # the GEMM after the norm starts on its weights meanwhile
+        release_then_wait(USE_PDL)
+    else:
+        wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -108,7 +124,8 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None, QUANT=quant is not None,
         IS_FP8=quant is not None and quant.dtype != torch.int8, HAS_SMOOTH=smooth is not None,
         STATIC=static is not None, QMAX_=quant.qmax if quant else 0.0,
-        MIN_AMAX_=quant.min_amax if quant else 0.0, BLOCK=block, num_warps=num_warps,
+        MIN_AMAX_=quant.min_amax if quant else 0.0, BLOCK=block,
+        RELEASE_FIRST=num_rows <= RELEASE_FIRST_MAX_ROWS, num_warps=num_warps,
         **pdl(x.device),
     )  # fmt: skip
     return normed if residual is None else (normed, res_out)
