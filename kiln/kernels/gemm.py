@@ -85,7 +85,7 @@ def _gemm_kernel(
     Nothing is loaded into registers before the wait: taking the first weight tile before it
     (peeled out of the loop, as the weight-only GEMV does) broke the K loop's pipeline and cost
     1-3% end to end on the H100 (ab_runs.txt 24). The first PREFETCH_STEPS K steps of the
-    weight rows are only asked of L2 there (L2 lines, as the ``line`` below: no registers)."""
+    weight rows are only asked of L2 there (``prefetch_l2``: no registers, no pipeline change)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -29,8 +29,9 @@ from kiln.kernels._triton import (
 from kiln.kernels.row_quant import QuantizedRows, RowQuant, quantize_rows_ref, row_codes
 
 # Rows up to which the norm releases the kernel after it before its own PDL wait: a decode step's
-# norm is short and the GEMM after it gains the SMs the GEMM before it frees; a prefill step's
-# norm of thousands of rows is not (8192-token prefill steps ran slower; ab_runs.txt 44)
+# norm is short and the GEMM after it gains the SMs the GEMM before it frees (decode steps of 1-64
+# sequences 0.9-1.5% shorter, ab_runs.txt 44). A prefill step's norm of thousands of rows is not
+# short, and cuBLAS follows it: no gain measured there, and slower prefill steps in one A/B
 RELEASE_FIRST_MAX_ROWS = 1024
 
 
