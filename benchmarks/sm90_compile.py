@@ -132,7 +132,8 @@ def main() -> None:
                   shared_bytes=kernel.metadata.shared, k_loop_instructions=sum(loop.values()),
                   k_loop_loads={op: n for op, n in loop.items()
                                 if op in ("LDG", "LDGSTS", "UTMALDG", "LDS", "LDL")},
-                  k_loop_wgmmas=loop["HGMMA"])
+                  k_loop_wgmmas=loop["HGMMA"], l2_prefetches=len(re.findall(r"CCTL\.E\.PF2", sass)),
+                  k_loop_l2_prefetches=loop["CCTL"])
     print(json.dumps(report))
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)

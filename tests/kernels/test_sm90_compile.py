@@ -30,6 +30,20 @@ def test_sm90_compile_reports_the_k_loop(args, wgmma_per_step, tmp_path):
 
 
 @needs_triton
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gemm_asks_l2_for_its_first_weights_only_with_pdl(pdl):
+    """With PDL each thread of the 64-column GEMM asks L2 for its share of the first K steps'
+    weight lines before the wait (64 rows x 8 lines over 128 threads: 4), never in the K loop;
+    without PDL there is nothing to overlap and no prefetch."""
+    run = subprocess.run([sys.executable, SCRIPT, "gemm", "--block-n", "64", "--stages", "3",
+                          *(["--pdl"] if pdl else [])], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["l2_prefetches"] == (4 if pdl else 0)
+    assert report["k_loop_l2_prefetches"] == 0
+
+
+@needs_triton
 def test_sm90_compile_names_an_unknown_unspecialized_argument():
     run = subprocess.run([sys.executable, SCRIPT, "gemm", "--unspecialized", "M,stride_zz"],
                          capture_output=True, text=True, timeout=300)
