@@ -9,6 +9,8 @@ import sys
 import pytest
 from kernel_testing import needs_triton
 
+from kiln.kernels.gemm import PREFETCH_K_STEPS
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sm90_compile.py")
 
 
@@ -33,13 +35,13 @@ def test_sm90_compile_reports_the_k_loop(args, wgmma_per_step, tmp_path):
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gemm_asks_l2_for_its_first_weights_only_with_pdl(pdl):
     """With PDL each thread of the 64-column GEMM asks L2 for its share of the first K steps'
-    weight lines before the wait (64 rows x 8 lines over 128 threads: 4), never in the K loop;
-    without PDL there is nothing to overlap and no prefetch."""
+    weight lines before the wait (64 rows x 2 lines a 128-deep step over 128 threads: one a
+    step), never in the K loop; without PDL there is nothing to overlap and no prefetch."""
     run = subprocess.run([sys.executable, SCRIPT, "gemm", "--block-n", "64", "--stages", "3",
                           *(["--pdl"] if pdl else [])], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["l2_prefetches"] == (4 if pdl else 0)
+    assert report["l2_prefetches"] == (PREFETCH_K_STEPS if pdl else 0)
     assert report["k_loop_l2_prefetches"] == 0
 
 
