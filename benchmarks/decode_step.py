@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from kiln.config import SchedulerConfig
 from kiln.engine.llm_engine import LLMEngine
 
 parser = argparse.ArgumentParser()
@@ -23,7 +24,7 @@ parser.add_argument("--quantization", default=None)
 parser.add_argument("--batch-size", default="1",
                     help="comma-separated batch sizes, each timed on the one engine")
 parser.add_argument("--replays", type=int, default=200)
-parser.add_argument("--max-num-seqs", type=int, default=None,
+parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
                     help="the engine's largest batch (its largest captured graph)")
 parser.add_argument("--context", type=int, default=256,
                     help="tokens of context per sequence, the new one included (the latency "
@@ -32,7 +33,7 @@ args = parser.parse_args()
 
 engine = LLMEngine.from_kwargs("benchmarks/workloads/llama-3.1-8b", load_format="dummy",
                                max_model_len=4096, quantization=args.quantization,
-                               **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
+                               max_num_seqs=args.max_num_seqs)
 graphs = engine.runner.graphs
 pages = -(-args.context // graphs.block_size)
 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
