@@ -152,7 +152,10 @@ def _wint_mma_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    xt_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
+    # x rows clamped too: past M the tile re-reads row M - 1, whose outputs the store drops. A
+    # mask cost 44 of the K loop's 358 instructions at 256-row x tiles, where the loop is bound
+    # by issuing them (results/h100/wint_mma_clamp.txt)
+    xt_cols = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     kw_begin = pid_k * kw_per_split
     wait_for_inputs(USE_PDL)
@@ -160,7 +163,7 @@ def _wint_mma_kernel(
         words = tl.load(w_rows + (kw0 + offs_w)[None, :])  # [BLOCK_N, STEP_W]
         w = tl.reshape(_code_pairs(words[:, :, None], BITS, H, ASM, dt), [BLOCK_N, BK])
         k = kw0 * CPW + tl.arange(0, BK)
-        xt = tl.load(xt_cols + k[:, None], mask=m_mask[None, :], other=0.0)  # [BK, BLOCK_M]
+        xt = tl.load(xt_cols + k[:, None])  # [BK, BLOCK_M]
         if HAS_SMOOTH:  # AWQ: x * smooth, rounded to x's dtype as in the reference
             xt = (xt.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[:, None]).to(dt)
         if not GROUPED:
@@ -297,7 +300,11 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     step_w = k_step // cpw
     split = tiles.split or _split(tiles, x_tiles * row_tiles, k // k_step, x.device)
     steps_per_split = -(-(kw // step_w) // split)
-    out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    # rows of the output padded to a multiple of 16 elements: an unaligned row stride compiles
+    # to an epilogue that spills (255 registers, a 736-byte stack), and that variant computed
+    # garbage on the H100 once x rows were clamped (results/h100/wint_mma_clamp.txt)
+    width = -(-n // 16) * 16
+    out = torch.empty(m, width, device=x.device, dtype=out_dtype or x.dtype)[:, :n]
     parts = (torch.empty(x_tiles * row_tiles * split * tiles.block_n * tiles.block_m,
                          device=x.device, dtype=torch.float32) if split > 1 else out)
     counters = _arrival_counters(x.device) if split > 1 else out
@@ -309,4 +316,4 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
         BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x.device),
     )  # fmt: skip
-    return out
+    return out.contiguous()  # a copy only for an unaligned width
