@@ -4,7 +4,7 @@ loop holding the wgmmas): its instruction count and the loads in it. For checkin
 change before a GPU run, not for speed: a shorter loop or fewer registers is a hint, no more.
 
     python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
-        [--stages 3] [--k-step 128] [--per-channel] [--split 2]
+        [--stages 3] [--k-step 128] [--per-channel] [--split 2] [--ragged-m]
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8] [--pdl]
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
     ... [--unspecialized M,stride_om]
@@ -43,7 +43,7 @@ def wint_mma_variant(a: argparse.Namespace) -> tuple:
            "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     consts = dict(BITS=a.bits, STEP_W=a.k_step * a.bits // 32, GROUPED=not a.per_channel,
                   HAS_SMOOTH=False, SPLIT=a.split, ASM=True, BLOCK_N=a.block_n,
-                  BLOCK_M=a.block_m, USE_PDL=False)
+                  BLOCK_M=a.block_m, EVEN_M=not a.ragged_m, USE_PDL=False)
     return wint_mma._wint_mma_kernel, sig, consts
 
 
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
-    for flag in ("per-channel", "fp8", "pdl"):
+    for flag in ("per-channel", "ragged-m", "fp8", "pdl"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
     parser.add_argument("--unspecialized", default="M",

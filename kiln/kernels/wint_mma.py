@@ -135,7 +135,7 @@ def _wint_mma_kernel(
     M, N, KW, kw_per_split, stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, STEP_W: tl.constexpr, GROUPED: tl.constexpr, HAS_SMOOTH: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out^T [BLOCK_N, BLOCK_M] of one (row tile, x tile) over 1/SPLIT of K, STEP_W words a row
     per step: acc += W_codes [BLOCK_N, BK] @ x^T [BK, BLOCK_M], times the step's scale group if
@@ -152,10 +152,7 @@ def _wint_mma_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    # x rows clamped too: past M the tile re-reads row M - 1, whose outputs the store drops. A
-    # mask cost 44 of the K loop's 358 instructions at 256-row x tiles, where the loop is bound
-    # by issuing them (results/h100/wint_mma_clamp.txt)
-    xt_cols = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[None, :] * stride_xm
+    xt_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     kw_begin = pid_k * kw_per_split
     wait_for_inputs(USE_PDL)
@@ -163,7 +160,10 @@ def _wint_mma_kernel(
         words = tl.load(w_rows + (kw0 + offs_w)[None, :])  # [BLOCK_N, STEP_W]
         w = tl.reshape(_code_pairs(words[:, :, None], BITS, H, ASM, dt), [BLOCK_N, BK])
         k = kw0 * CPW + tl.arange(0, BK)
-        xt = tl.load(xt_cols + k[:, None])  # [BK, BLOCK_M]
+        if EVEN_M:  # every x tile full: no row mask, 44 of the loop's 358 instructions at
+            xt = tl.load(xt_cols + k[:, None])  # 256-row tiles, where issuing them is the bound
+        else:  # (rows clamped instead, 40 tiles reading one row made ragged M 1.2-1.8x slower)
+            xt = tl.load(xt_cols + k[:, None], mask=m_mask[None, :], other=0.0)  # [BK, BLOCK_M]
         if HAS_SMOOTH:  # AWQ: x * smooth, rounded to x's dtype as in the reference
             xt = (xt.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[:, None]).to(dt)
         if not GROUPED:
@@ -283,14 +283,39 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
                   out_dtype: torch.dtype | None = None,
                   tiles: MmaTiles | None = None) -> torch.Tensor:
     """x [M, K] (contiguous rows, 16-bit) @ dequantized W^T -> [M, N] in ``out_dtype``; W's
-    codes as int32 words [N, K bits / 32], scales [N, K / group] (group >= K: per channel)."""
+    codes as int32 words [N, K bits / 32], scales [N, K / group] (group >= K: per channel).
+
+    With the default tiles, M past a whole number of MMA_X_TILE_MAX-row x tiles by at most half
+    a tile takes two launches: the whole tiles, then the rest in tiles of its own size. A ragged
+    256-row tile costs a whole one (int4 layer at M = 264: 400 us, as at 512, against 230 at
+    256; results/h100/wint_mma_even_m.txt), the rest's own launch little more than reading the
+    weights again."""
+    m, k = x.shape
+    n, kw = words.shape
+    assert words.dtype == torch.int32 and kw * (32 // bits) == k
+    assert x.stride(1) == 1 and words.stride(1) == 1 and scales.stride(1) == 1
+    assert scales.shape == (n, k // group if group < k else 1)
+    # rows of the output padded to a multiple of 16 elements: an unaligned row stride compiles
+    # to an epilogue that spills (255 registers, a 736-byte stack), and that variant computed
+    # NaNs on the H100 with unmasked x loads (results/h100/wint_mma_even_m.txt)
+    width = -(-n // 16) * 16
+    out = torch.empty(m, width, device=x.device, dtype=out_dtype or x.dtype)[:, :n]
+    whole = m // MMA_X_TILE_MAX * MMA_X_TILE_MAX
+    if tiles is None and 0 < whole < m <= whole + MMA_X_TILE_MAX // 2:
+        for rows in (slice(0, whole), slice(whole, m)):
+            _launch(x[rows], words, scales, bits, group, smooth, out[rows], None)
+    else:
+        _launch(x, words, scales, bits, group, smooth, out, tiles)
+    return out.contiguous()  # a copy only for an unaligned width
+
+
+def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
+            smooth: torch.Tensor | None, out: torch.Tensor, tiles: MmaTiles | None) -> None:
+    """One launch of the kernel over x's rows into ``out``'s."""
     m, k = x.shape
     n, kw = words.shape
     cpw = 32 // bits
     grouped = group < k
-    assert words.dtype == torch.int32 and kw * cpw == k
-    assert x.stride(1) == 1 and words.stride(1) == 1 and scales.stride(1) == 1
-    assert scales.shape == (n, k // group if grouped else 1)
     tiles = tiles or wint_mma_tiles(m, n, k, group, bits, x.device)
     k_step = group if grouped else tiles.k_step
     assert k % k_step == 0 and k_step % cpw == 0
@@ -300,11 +325,6 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     step_w = k_step // cpw
     split = tiles.split or _split(tiles, x_tiles * row_tiles, k // k_step, x.device)
     steps_per_split = -(-(kw // step_w) // split)
-    # rows of the output padded to a multiple of 16 elements: an unaligned row stride compiles
-    # to an epilogue that spills (255 registers, a 736-byte stack), and that variant computed
-    # garbage on the H100 once x rows were clamped (results/h100/wint_mma_clamp.txt)
-    width = -(-n // 16) * 16
-    out = torch.empty(m, width, device=x.device, dtype=out_dtype or x.dtype)[:, :n]
     parts = (torch.empty(x_tiles * row_tiles * split * tiles.block_n * tiles.block_m,
                          device=x.device, dtype=torch.float32) if split > 1 else out)
     counters = _arrival_counters(x.device) if split > 1 else out
@@ -313,7 +333,6 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
         m, n, kw, steps_per_split * step_w, x.stride(0), words.stride(0), scales.stride(0),
         out.stride(0), BITS=bits, STEP_W=step_w, GROUPED=grouped,
         HAS_SMOOTH=smooth is not None, SPLIT=split, ASM=x.is_cuda,
-        BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, EVEN_M=m % tiles.block_m == 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x.device),
     )  # fmt: skip
-    return out.contiguous()  # a copy only for an unaligned width

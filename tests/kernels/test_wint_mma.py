@@ -170,6 +170,21 @@ def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch, bits,
                      f"W{bits} {2 * rows} rows")  # fmt: skip
 
 
+@needs_triton
+def test_wint_mma_takes_whole_x_tiles_then_the_rest(monkeypatch):
+    """Up to half an x tile past whole 256-row tiles: one launch for those (no row masks), one
+    for the rest in tiles of its own size, into one output (40 columns: rows padded to 16);
+    further past, one launch with a ragged last tile."""
+    launches = []
+    real = mma._launch
+    monkeypatch.setattr(mma, "_launch", lambda x, *a: launches.append(x.shape[0]) or real(x, *a))
+    _check(40, 128, 4, 128, 261, torch.float16, "cpu")
+    assert launches == [256, 5]
+    launches.clear()
+    _check(40, 128, 4, 128, 400, torch.float16, "cpu", seed=1)
+    assert launches == [400]
+
+
 def test_wint_mma_tiles_past_one_x_tile():
     """Past MMA_X_TILE_MAX rows x is cut into 256-row tiles: int4 and 8-bit codes both take 128
     rows of W in 8 warps there (8-bit codes with 4 stages)."""
