@@ -228,11 +228,17 @@ def wint_mma_applies(x: torch.Tensor, n: int, zeros: torch.Tensor | None,
     step against 200 on quant_gemm's tile kernel: results/h100/wint_mma_natural.txt)."""
     m, k = x.shape
     grouping = group in _GROUPS and k % group == 0 or group >= k and _per_channel_step(k)
-    if bits == 8 and m <= MMA_W8_SMALL_MAX_M and n * k > MMA_W8_SMALL_MAX_CODES:
+    if _w8_small_m_lags(m, n, k, bits):
         return False
     return (bits in MMA_MAX_M and not w_fp8 and zeros is None and perm is None
             and bool(grouping) and x.dtype in (torch.bfloat16, torch.float16)
             and MMA_MIN_M <= m <= MMA_MAX_M[bits])
+
+
+def _w8_small_m_lags(m: int, n: int, k: int, bits: int) -> bool:
+    """8-bit codes at up to MMA_W8_SMALL_MAX_M rows of a weight of more than
+    MMA_W8_SMALL_MAX_CODES codes, where quant_gemm's tile kernel is faster."""
+    return bits == 8 and m <= MMA_W8_SMALL_MAX_M and n * k > MMA_W8_SMALL_MAX_CODES
 
 
 def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
@@ -287,9 +293,10 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
 
     With the default tiles, M past a whole number of MMA_X_TILE_MAX-row x tiles by at most half
     a tile takes two launches: the whole tiles, then the rest in tiles of its own size. A ragged
-    256-row tile costs a whole one (int4 layer at M = 264: 400 us, as at 512, against 230 at
-    256; results/h100/wint_mma_even_m.txt), the rest's own launch little more than reading the
-    weights again."""
+    256-row tile costs a whole one (int4 layer at M = 264: 400 us, as at 512, against 232 at
+    256), the rest's own launch less: 318 us in all (results/h100/wint_mma_even_m.txt). Not for
+    8-bit codes whose rest is as slow here as _w8_small_m_lags says (264 rows: 487 us against
+    471 in one launch)."""
     m, k = x.shape
     n, kw = words.shape
     assert words.dtype == torch.int32 and kw * (32 // bits) == k
@@ -301,7 +308,9 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     width = -(-n // 16) * 16
     out = torch.empty(m, width, device=x.device, dtype=out_dtype or x.dtype)[:, :n]
     whole = m // MMA_X_TILE_MAX * MMA_X_TILE_MAX
-    if tiles is None and 0 < whole < m <= whole + MMA_X_TILE_MAX // 2:
+    rest = m - whole
+    if (tiles is None and whole and 0 < rest <= MMA_X_TILE_MAX // 2
+            and not _w8_small_m_lags(rest, n, k, bits)):
         for rows in (slice(0, whole), slice(whole, m)):
             _launch(x[rows], words, scales, bits, group, smooth, out[rows], None)
     else:

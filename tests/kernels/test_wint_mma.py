@@ -174,7 +174,8 @@ def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch, bits,
 def test_wint_mma_takes_whole_x_tiles_then_the_rest(monkeypatch):
     """Up to half an x tile past whole 256-row tiles: one launch for those (no row masks), one
     for the rest in tiles of its own size, into one output (40 columns: rows padded to 16);
-    further past, one launch with a ragged last tile."""
+    further past, one launch with a ragged last tile; 8-bit codes split only where their rest
+    runs here anyway (_w8_small_m_lags)."""
     launches = []
     real = mma._launch
     monkeypatch.setattr(mma, "_launch", lambda x, *a: launches.append(x.shape[0]) or real(x, *a))
@@ -183,6 +184,14 @@ def test_wint_mma_takes_whole_x_tiles_then_the_rest(monkeypatch):
     launches.clear()
     _check(40, 128, 4, 128, 400, torch.float16, "cpu", seed=1)
     assert launches == [400]
+    # 8-bit codes: not where their rest would run slow here (a few rows of a large weight)
+    monkeypatch.setattr(mma, "_launch", lambda x, *a: launches.append(x.shape[0]))
+    n, k = mma.MMA_W8_SMALL_MAX_CODES // 4096 + 16, 4096
+    words, scales = torch.zeros(n, k // 4, dtype=torch.int32), torch.ones(n, 1).half()
+    for m, expected in ((264, [264]), (300, [256, 44])):
+        launches.clear()
+        mma.wint_mma_gemm(torch.zeros(m, k).half(), words, scales, 8, k)
+        assert launches == expected
 
 
 def test_wint_mma_tiles_past_one_x_tile():
