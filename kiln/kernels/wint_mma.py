@@ -292,11 +292,12 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     codes as int32 words [N, K bits / 32], scales [N, K / group] (group >= K: per channel).
 
     With the default tiles, M past a whole number of MMA_X_TILE_MAX-row x tiles by at most half
-    a tile takes two launches: the whole tiles, then the rest in tiles of its own size. A ragged
-    256-row tile costs a whole one (int4 layer at M = 264: 400 us, as at 512, against 232 at
-    256), the rest's own launch less: 318 us in all (results/h100/wint_mma_even_m.txt). Not for
-    8-bit codes whose rest is as slow here as _w8_small_m_lags says (264 rows: 487 us against
-    471 in one launch)."""
+    a tile takes two launches where the whole tiles fill the SMs: those tiles, then the rest in
+    tiles of its own size. A ragged 256-row tile costs a whole one, an extra wave there (gate_up
+    int4 at M = 264: 213 us, 147 in two launches; results/h100/wint_mma_even_m.txt). Where the
+    tiles fit one wave, the ragged ones run beside the whole ones, and a second launch only adds
+    its own time (qkv at 300 rows: 53 us in one launch, 66 in two). Not for 8-bit codes whose
+    rest is as slow here as _w8_small_m_lags says."""
     m, k = x.shape
     n, kw = words.shape
     assert words.dtype == torch.int32 and kw * (32 // bits) == k
@@ -309,7 +310,8 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     out = torch.empty(m, width, device=x.device, dtype=out_dtype or x.dtype)[:, :n]
     whole = m // MMA_X_TILE_MAX * MMA_X_TILE_MAX
     rest = m - whole
-    if (tiles is None and whole and 0 < rest <= MMA_X_TILE_MAX // 2
+    whole_tiles = whole // MMA_X_TILE_MAX * triton.cdiv(n, 128)  # (128 rows of W a tile there)
+    if (tiles is None and whole_tiles >= num_sms(x.device) and 0 < rest <= MMA_X_TILE_MAX // 2
             and not _w8_small_m_lags(rest, n, k, bits)):
         for rows in (slice(0, whole), slice(whole, m)):
             _launch(x[rows], words, scales, bits, group, smooth, out[rows], None)

@@ -172,18 +172,19 @@ def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch, bits,
 
 @needs_triton
 def test_wint_mma_takes_whole_x_tiles_then_the_rest(monkeypatch):
-    """Up to half an x tile past whole 256-row tiles: one launch for those (no row masks), one
-    for the rest in tiles of its own size, into one output (40 columns: rows padded to 16);
-    further past, one launch with a ragged last tile; 8-bit codes split only where their rest
-    runs here anyway (_w8_small_m_lags)."""
+    """Up to half an x tile past whole 256-row tiles that fill the SMs: one launch for those (no
+    row masks), one for the rest in tiles of its own size, into one output; further past, or
+    with fewer whole tiles than SMs, one launch with a ragged last tile (here 888 columns: rows
+    padded to 16). 8-bit codes split only where their rest runs here anyway (_w8_small_m_lags)."""
     launches = []
     real = mma._launch
     monkeypatch.setattr(mma, "_launch", lambda x, *a: launches.append(x.shape[0]) or real(x, *a))
-    _check(40, 128, 4, 128, 261, torch.float16, "cpu")
-    assert launches == [256, 5]
-    launches.clear()
-    _check(40, 128, 4, 128, 400, torch.float16, "cpu", seed=1)
-    assert launches == [400]
+    sms = mma.num_sms(torch.device("cpu"))
+    for n, m, expected in ((128 * sms, 261, [256, 5]), (128 * sms, 400, [400]),
+                           (128 * (sms - 1) - 8, 261, [261])):  # whole tiles: not every SM
+        launches.clear()
+        _check(n, 128, 4, 128, m, torch.float16, "cpu", seed=m)
+        assert launches == expected, (n, m)
     # 8-bit codes: not where their rest would run slow here (a few rows of a large weight)
     monkeypatch.setattr(mma, "_launch", lambda x, *a: launches.append(x.shape[0]))
     n, k = mma.MMA_W8_SMALL_MAX_CODES // 4096 + 16, 4096
