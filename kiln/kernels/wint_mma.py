@@ -37,9 +37,12 @@ rotating weight copies (results/h100/wint_mma_natural.txt): int4 g128 at M = 16 
 83 / 119 / 197 / 353), 8-bit codes at 64 / 128 rows 153 / 182 (196 / 246 before). Past that
 (results/h100/wint_mma_large_m.txt), against dequantize + cuBLAS: int4 at 512 / 1024 rows 436 /
 798 us against 516 / 823 (bf16 300 / 579), 8-bit codes at 256 / 512 rows 271 / 486 against 447 /
-538 (bf16 204 / 300). At M = 1 the FMA GEMV is 1.4-1.7x faster, so it keeps M <= 2; past
-MMA_MAX_M rows dequantize + cuBLAS is faster. 8-bit codes at up to 32 rows run here only for
-small weights (wint_mma_applies).
+538 (bf16 204 / 300). Without row masks where every x tile is full (results/h100/
+wint_mma_even_m.txt), int4 at 256 / 512 rows takes 231 / 407 us and 8-bit codes 261 / 456 (bf16
+204 / 297), and M just past whole x tiles (wint_mma_gemm's two launches) int4 at 264 / 300 rows
+333 / 348 against 402 / 405 (bf16 220 / 231). At M = 1 the FMA GEMV is 1.4-1.7x faster, so it
+keeps M <= 2; past MMA_MAX_M rows dequantize + cuBLAS is faster. 8-bit codes at up to 32 rows
+run here only for small weights (wint_mma_applies).
 """
 
 from __future__ import annotations
