@@ -313,11 +313,12 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     out = torch.empty(m, width, device=x.device, dtype=out_dtype or x.dtype)[:, :n]
     whole = m // MMA_X_TILE_MAX * MMA_X_TILE_MAX
     rest = m - whole
-    whole_tiles = whole // MMA_X_TILE_MAX * triton.cdiv(n, 128)  # (128 rows of W a tile there)
+    full = wint_mma_tiles(whole, n, k, group, bits, x.device)
+    whole_tiles = whole // full.block_m * triton.cdiv(n, full.block_n)
     if (tiles is None and whole_tiles >= num_sms(x.device) and 0 < rest <= MMA_X_TILE_MAX // 2
             and not _w8_small_m_lags(rest, n, k, bits)):
-        for rows in (slice(0, whole), slice(whole, m)):
-            _launch(x[rows], words, scales, bits, group, smooth, out[rows], None)
+        _launch(x[:whole], words, scales, bits, group, smooth, out[:whole], full)
+        _launch(x[whole:], words, scales, bits, group, smooth, out[whole:], None)
     else:
         _launch(x, words, scales, bits, group, smooth, out, tiles)
     return out.contiguous()  # a copy only for an unaligned width
