@@ -163,9 +163,10 @@ def _wint_mma_kernel(
         words = tl.load(w_rows + (kw0 + offs_w)[None, :])  # [BLOCK_N, STEP_W]
         w = tl.reshape(_code_pairs(words[:, :, None], BITS, H, ASM, dt), [BLOCK_N, BK])
         k = kw0 * CPW + tl.arange(0, BK)
-        if EVEN_M:  # every x tile full: no row mask, 44 of the loop's 358 instructions at
-            xt = tl.load(xt_cols + k[:, None])  # 256-row tiles, where issuing them is the bound
-        else:  # (rows clamped instead, 40 tiles reading one row made ragged M 1.2-1.8x slower)
+        if EVEN_M:  # every x tile full: no row mask (44 of the loop's 358 instructions at
+            xt = tl.load(xt_cols + k[:, None])  # 256-row tiles, where issuing them is the bound)
+        else:  # masked: rows clamped to M - 1 instead made ragged M 1.2-1.8x slower, every
+            # padding row of a tile reading that one row (results/h100/wint_mma_even_m.txt)
             xt = tl.load(xt_cols + k[:, None], mask=m_mask[None, :], other=0.0)  # [BK, BLOCK_M]
         if HAS_SMOOTH:  # AWQ: x * smooth, rounded to x's dtype as in the reference
             xt = (xt.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[:, None]).to(dt)
