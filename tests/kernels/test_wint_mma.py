@@ -227,3 +227,19 @@ def test_gpu_wint_mma_wide_n_tiles(bits, group):
     tiles = mma.wint_mma_tiles(100, 28672, 4096, group, bits, torch.device("cuda"))
     assert tiles.num_warps == 8 and tiles.block_n == 128 and tiles.block_m == 128
     _check(28672, 4096, bits, group, 100, torch.bfloat16, "cuda", tol=2e-2, seed=bits)
+
+
+@gpu
+@pytest.mark.parametrize("bits, group, m, launches", [
+    (4, 128, 264, [256, 8]), (4, 128, 300, [256, 44]), (8, -1, 264, [264]),
+    (8, -1, 300, [256, 44]), (4, 128, 512, [512]),
+])  # fmt: skip
+def test_gpu_wint_mma_whole_x_tiles_then_the_rest(monkeypatch, bits, group, m, launches):
+    """At the merged gate_up's N the whole 256-row x tiles fill the SMs: M up to half a tile
+    past them takes a second launch for the rest (8-bit codes not for 8 rows of it); every x
+    tile full (512 rows) runs without row masks."""
+    seen = []
+    real = mma._launch
+    monkeypatch.setattr(mma, "_launch", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    _check(28672, 4096, bits, group, m, torch.bfloat16, "cuda", tol=2e-2, seed=m)
+    assert seen == launches
