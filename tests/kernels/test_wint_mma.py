@@ -170,22 +170,39 @@ def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch, bits,
                      f"W{bits} {2 * rows} rows")  # fmt: skip
 
 
+def _spy_launches(monkeypatch) -> list[tuple[int, bool]]:
+    """(rows of x, EVEN_M) of every launch of the kernel from here on."""
+    seen = []
+    real = mma._wint_mma_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((args[7], kwargs["EVEN_M"]))  # M
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(mma, "_wint_mma_kernel", Spy())
+    return seen
+
+
 @needs_triton
 def test_wint_mma_takes_whole_x_tiles_then_the_rest(monkeypatch):
-    """Up to half an x tile past whole 256-row tiles that fill the SMs: one launch for those (no
-    row masks), one for the rest in tiles of its own size, into one output; further past, or
-    with fewer whole tiles than SMs, one launch with a ragged last tile (here 888 columns: rows
-    padded to 16). 8-bit codes split only where their rest runs here anyway (_w8_small_m_lags)."""
-    launches = []
-    real = mma._launch
-    monkeypatch.setattr(mma, "_launch", lambda x, *a: launches.append(x.shape[0]) or real(x, *a))
+    """Up to half an x tile past whole 256-row tiles that fill the SMs: one launch for those,
+    without row masks, one for the rest in tiles of its own size, into one output; further
+    past, or with fewer whole tiles than SMs, one masked launch with a ragged last tile (here
+    888 columns: rows padded to 16). 8-bit codes split only where their rest runs here anyway
+    (_w8_small_m_lags)."""
+    seen = _spy_launches(monkeypatch)
     sms = mma.num_sms(torch.device("cpu"))
-    for n, m, expected in ((128 * sms, 261, [256, 5]), (128 * sms, 400, [400]),
-                           (128 * (sms - 1) - 8, 261, [261])):  # whole tiles: not every SM
-        launches.clear()
+    for n, m, expected in ((128 * sms, 261, [(256, True), (5, False)]),
+                           (128 * sms, 400, [(400, False)]),
+                           (128 * (sms - 1) - 8, 261, [(261, False)])):  # not every SM
+        seen.clear()
         _check(n, 128, 4, 128, m, torch.float16, "cpu", seed=m)
-        assert launches == expected, (n, m)
+        assert seen == expected, (n, m)
     # 8-bit codes: not where their rest would run slow here (a few rows of a large weight)
+    launches = []
     monkeypatch.setattr(mma, "_launch", lambda x, *a: launches.append(x.shape[0]))
     n, k = mma.MMA_W8_SMALL_MAX_CODES // 4096 + 16, 4096
     words, scales = torch.zeros(n, k // 4, dtype=torch.int32), torch.ones(n, 1).half()
@@ -231,15 +248,15 @@ def test_gpu_wint_mma_wide_n_tiles(bits, group):
 
 @gpu
 @pytest.mark.parametrize("bits, group, m, launches", [
-    (4, 128, 264, [256, 8]), (4, 128, 300, [256, 44]), (8, -1, 264, [264]),
-    (8, -1, 300, [256, 44]), (4, 128, 512, [512]),
+    (4, 128, 264, [(256, True), (8, False)]), (4, 128, 300, [(256, True), (44, False)]),
+    (8, -1, 264, [(264, False)]), (8, -1, 300, [(256, True), (44, False)]),
+    (4, 128, 512, [(512, True)]),
 ])  # fmt: skip
 def test_gpu_wint_mma_whole_x_tiles_then_the_rest(monkeypatch, bits, group, m, launches):
     """At the merged gate_up's N the whole 256-row x tiles fill the SMs: M up to half a tile
-    past them takes a second launch for the rest (8-bit codes not for 8 rows of it); every x
-    tile full (512 rows) runs without row masks."""
-    seen = []
-    real = mma._launch
-    monkeypatch.setattr(mma, "_launch", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    past them takes a second launch for the rest (8-bit codes not for 8 rows of it); launches
+    whose x tiles are all full (256 and 512 rows; not 8 rows in a 16-row tile) load x
+    without row masks."""
+    seen = _spy_launches(monkeypatch)
     _check(28672, 4096, bits, group, m, torch.bfloat16, "cuda", tol=2e-2, seed=m)
     assert seen == launches
