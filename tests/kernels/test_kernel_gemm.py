@@ -40,13 +40,13 @@ def test_fp8_gemm_matches_reference(m, config, with_bias):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("m", [3, 17])
+@pytest.mark.parametrize("m, n", [(3, 40), (17, 40), (32, 64)])  # 32 x 64: every tile full
 @pytest.mark.parametrize("config", CONFIGS)
-def test_16_bit_gemm_matches_reference(dtype, m, config):
+def test_16_bit_gemm_matches_reference(dtype, m, n, config):
     gen = torch.Generator().manual_seed(m + config.block_k)
     x = torch.randn(m, 256, generator=gen).to(dtype)
-    w = (torch.randn(40, 256, generator=gen) / 16).to(dtype)
-    bias = torch.randn(40, generator=gen).to(dtype)
+    w = (torch.randn(n, 256, generator=gen) / 16).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
     out = gemm_triton(x, w, bias, config=config)
     assert out.dtype == dtype
     assert_rel_close(out.float(), gemm_ref(x, w, bias, torch.float32), 2e-3, f"{dtype} {config}")
@@ -92,11 +92,14 @@ def test_gpu_w8a8_through_the_triton_gemm(m):
 @pytest.mark.parametrize("fp8,config", [
     (False, GemmTiles(64, 64, 128, 4, 4)), (False, GemmTiles(64, 32, 128, 4, 7)),
     (True, GemmTiles(64, 64, 256, 4, 3)), (True, GemmTiles(64, 32, 256, 4, 6))])
-def test_gpu_gemm_tiles(fp8, m, config):
+@pytest.mark.parametrize("n", [4096, 1000])
+def test_gpu_gemm_tiles(fp8, m, config, n):
+    """Full tiles (M = 64, N = 4096) load without masks; ragged ones (M = 7, 100; N = 1000, an
+    output row not a multiple of 16 wide) with them."""
     gen = torch.Generator().manual_seed(m)
-    w = torch.randn(4096, 4096, generator=gen) / 64
+    w = torch.randn(n, 4096, generator=gen) / 64
     x = torch.randn(m, 4096, generator=gen)
-    bias = torch.randn(4096, generator=gen).bfloat16().cuda()
+    bias = torch.randn(n, generator=gen).bfloat16().cuda()
     if fp8:
         wq, ws = (t.cuda() for t in w8a8.quantize_weight(w, "fp8", "channel"))
         xq, xs = w8a8.quant_per_token_ref(x.cuda(), "fp8")
