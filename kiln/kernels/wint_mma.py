@@ -47,7 +47,7 @@ run here only for small weights (wint_mma_applies).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -318,7 +318,7 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
     whole_tiles = whole // full.block_m * triton.cdiv(n, full.block_n)
     if (tiles is None and whole_tiles >= num_sms(x.device) and 0 < rest <= MMA_X_TILE_MAX // 2
             and not _w8_small_m_lags(rest, n, k, bits)):
-        _launch(x[:whole], words, scales, bits, group, smooth, out[:whole], full)
+        _launch(x[:whole], words, scales, bits, group, smooth, out[:whole], None)
         _launch(x[whole:], words, scales, bits, group, smooth, out[whole:], None)
     else:
         _launch(x, words, scales, bits, group, smooth, out, tiles)
@@ -327,12 +327,45 @@ def wint_mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bi
 
 def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
             smooth: torch.Tensor | None, out: torch.Tensor, tiles: MmaTiles | None) -> None:
+    """The kernel over x's rows into ``out``'s. With the default tiles, W's rows past whole
+    waves of 256-row x tiles (one program an SM) go to a second launch in tiles of 64 rows of W
+    where those fit one wave: gate_up at 512 rows is 448 tiles, 3.4 waves of the H100's 132 SMs,
+    and its last 52 run as 104 programs of half the work (_head_rows). No K split there: a
+    128 x 256 tile's float32 partials cost more than they save (results/h100/
+    wint_mma_stream_k.txt)."""
+    if tiles is None:
+        tiles = wint_mma_tiles(x.shape[0], words.shape[0], x.shape[1], group, bits, x.device)
+        head = _head_rows(tiles, x.shape[0], words.shape[0], x.device)
+        if head:
+            _launch_kernel(x, words[:head], scales[:head], bits, group, smooth, out[:, :head],
+                           tiles)
+            _launch_kernel(x, words[head:], scales[head:], bits, group, smooth, out[:, head:],
+                           replace(tiles, block_n=64, split=1, num_warps=4))
+            return
+    _launch_kernel(x, words, scales, bits, group, smooth, out, tiles)
+
+
+def _head_rows(tiles: MmaTiles, m: int, n: int, device: torch.device) -> int:
+    """Rows of W whose tiles make whole waves, where the rest fit one wave of 64-row tiles (two
+    programs a tile); 0 where that does not hold (fewer tiles than a wave, whole waves only, a
+    larger rest, or x tiles small enough for several programs an SM)."""
+    if tiles.block_m < MMA_X_TILE_MAX:
+        return 0
+    sms = num_sms(device)
+    x_tiles, row_tiles = triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n)
+    head = x_tiles * row_tiles // sms * sms // x_tiles  # row tiles of the whole waves
+    rest = row_tiles - head
+    return head * tiles.block_n if head and rest and 2 * rest * x_tiles <= sms else 0
+
+
+def _launch_kernel(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,
+                   group: int, smooth: torch.Tensor | None, out: torch.Tensor,
+                   tiles: MmaTiles) -> None:
     """One launch of the kernel over x's rows into ``out``'s."""
     m, k = x.shape
     n, kw = words.shape
     cpw = 32 // bits
     grouped = group < k
-    tiles = tiles or wint_mma_tiles(m, n, k, group, bits, x.device)
     k_step = group if grouped else tiles.k_step
     assert k % k_step == 0 and k_step % cpw == 0
     x_tiles, row_tiles = triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n)

@@ -5,6 +5,7 @@ dispatch from quant_gemm."""
 
 import importlib
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -170,15 +171,22 @@ def test_wint_linear_takes_wint_mma_past_the_tile_kernel_rows(monkeypatch, bits,
                      f"W{bits} {2 * rows} rows")  # fmt: skip
 
 
-def _spy_launches(monkeypatch) -> list[tuple[int, bool]]:
-    """(rows of x, EVEN_M) of every launch of the kernel from here on."""
+class Launch(NamedTuple):
+    m: int  # rows of x
+    n: int  # rows of W
+    block_n: int
+    even_m: bool  # x loaded without row masks
+
+
+def _spy_launches(monkeypatch) -> list[Launch]:
+    """Every launch of the kernel from here on."""
     seen = []
     real = mma._wint_mma_kernel
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                seen.append((args[7], kwargs["EVEN_M"]))  # M
+                seen.append(Launch(args[7], args[8], kwargs["BLOCK_N"], kwargs["EVEN_M"]))
                 return real[grid](*args, **kwargs)
             return launch
 
@@ -200,7 +208,7 @@ def test_wint_mma_takes_whole_x_tiles_then_the_rest(monkeypatch):
                            (128 * (sms - 1) - 8, 261, [(261, False)])):  # not every SM
         seen.clear()
         _check(n, 128, 4, 128, m, torch.float16, "cpu", seed=m)
-        assert seen == expected, (n, m)
+        assert [(s.m, s.even_m) for s in seen] == expected, (n, m)
     # 8-bit codes: not where their rest would run slow here (a few rows of a large weight)
     launches = []
     monkeypatch.setattr(mma, "_launch", lambda x, *a: launches.append(x.shape[0]))
@@ -211,6 +219,21 @@ def test_wint_mma_takes_whole_x_tiles_then_the_rest(monkeypatch):
         mma.wint_mma_gemm(torch.zeros(m, k).half(), words, scales, 8, k)
         assert launches == expected
 
+
+
+@needs_triton
+def test_wint_mma_takes_w_rows_past_whole_waves_in_narrower_tiles(monkeypatch):
+    """256-row x tiles, one program an SM (a nominal 8 off CUDA): 5 row tiles x 2 x tiles are
+    one whole wave and 2 tiles more; W's first 4 row tiles (512 rows) take one launch, the
+    last 128 rows a second in 64-row tiles, 4 programs for the 2 tiles (no K split), into the
+    one output. A rest that would not fit one wave of those, or whole waves only: one launch."""
+    seen = _spy_launches(monkeypatch)
+    _check(640, 128, 4, 128, 512, torch.float16, "cpu", seed=5)
+    assert seen == [Launch(512, 512, 128, True), Launch(512, 128, 64, True)]
+    for n in (128 * 7, 128 * 8):  # 14 tiles: a rest of 3 row tiles; 16 tiles: two waves
+        seen.clear()
+        _check(n, 128, 4, 128, 512, torch.float16, "cpu", seed=n)
+        assert seen == [Launch(512, n, 128, True)], n
 
 def test_wint_mma_tiles_past_one_x_tile():
     """Past MMA_X_TILE_MAX rows x is cut into 256-row tiles: int4 and 8-bit codes both take 128
@@ -247,10 +270,21 @@ def test_gpu_wint_mma_wide_n_tiles(bits, group):
 
 
 @gpu
+@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
+def test_gpu_wint_mma_w_rows_past_whole_waves(monkeypatch, bits, group):
+    """gate_up at 512 rows: 448 tiles of 128 x 256 are 3.4 waves of the SMs (132 on the H100):
+    the rows of W in whole waves take one launch, the rest 64-row tiles in a second."""
+    seen = _spy_launches(monkeypatch)
+    _check(28672, 4096, bits, group, 512, torch.bfloat16, "cuda", tol=2e-2, seed=bits)
+    sms = mma.num_sms(torch.device("cuda"))
+    head = 2 * 224 // sms * sms // 2 * 128
+    assert seen == [Launch(512, head, 128, True), Launch(512, 28672 - head, 64, True)]
+
+@gpu
 @pytest.mark.parametrize("bits, group, m, launches", [
     (4, 128, 264, [(256, True), (8, False)]), (4, 128, 300, [(256, True), (44, False)]),
     (8, -1, 264, [(264, False)]), (8, -1, 300, [(256, True), (44, False)]),
-    (4, 128, 512, [(512, True)]),
+    (4, 128, 512, [(512, True), (512, True)]),  # W's rows in two launches (below)
 ])  # fmt: skip
 def test_gpu_wint_mma_whole_x_tiles_then_the_rest(monkeypatch, bits, group, m, launches):
     """At the merged gate_up's N the whole 256-row x tiles fill the SMs: M up to half a tile
@@ -259,4 +293,4 @@ def test_gpu_wint_mma_whole_x_tiles_then_the_rest(monkeypatch, bits, group, m, l
     without row masks."""
     seen = _spy_launches(monkeypatch)
     _check(28672, 4096, bits, group, m, torch.bfloat16, "cuda", tol=2e-2, seed=m)
-    assert seen == launches
+    assert [(s.m, s.even_m) for s in seen] == launches
