@@ -283,14 +283,15 @@ def test_gpu_wint_mma_w_rows_past_whole_waves(monkeypatch, bits, group):
 @gpu
 @pytest.mark.parametrize("bits, group, m, launches", [
     (4, 128, 264, [(256, True), (8, False)]), (4, 128, 300, [(256, True), (44, False)]),
-    (8, -1, 264, [(264, False)]), (8, -1, 300, [(256, True), (44, False)]),
+    (8, -1, 264, [(264, False), (264, False)]), (8, -1, 300, [(256, True), (44, False)]),
     (4, 128, 512, [(512, True), (512, True)]),  # W's rows in two launches (below)
 ])  # fmt: skip
 def test_gpu_wint_mma_whole_x_tiles_then_the_rest(monkeypatch, bits, group, m, launches):
     """At the merged gate_up's N the whole 256-row x tiles fill the SMs: M up to half a tile
     past them takes a second launch for the rest (8-bit codes not for 8 rows of it); launches
     whose x tiles are all full (256 and 512 rows; not 8 rows in a 16-row tile) load x
-    without row masks."""
+    without row masks. Two x tiles of 256 rows (512, and 8-bit codes at 264) are 3.4 waves of
+    tiles: W's rows take two launches too (test_gpu_wint_mma_w_rows_past_whole_waves)."""
     seen = _spy_launches(monkeypatch)
     _check(28672, 4096, bits, group, m, torch.bfloat16, "cuda", tol=2e-2, seed=m)
     assert [(s.m, s.even_m) for s in seen] == launches
