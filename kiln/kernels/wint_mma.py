@@ -40,7 +40,9 @@ rotating weight copies (results/h100/wint_mma_natural.txt): int4 g128 at M = 16 
 538 (bf16 204 / 300). Without row masks where every x tile is full (results/h100/
 wint_mma_even_m.txt), int4 at 256 / 512 rows takes 231 / 407 us and 8-bit codes 261 / 456 (bf16
 204 / 297), and M just past whole x tiles (wint_mma_gemm's two launches) int4 at 264 / 300 rows
-333 / 348 against 402 / 405 (bf16 220 / 231). At M = 1 the FMA GEMV is 1.4-1.7x faster, so it
+333 / 348 against 402 / 405 (bf16 220 / 231). W's rows past whole waves of 256-row x tiles in
+64-row tiles (_launch) take int4 / 8-bit codes at 512 rows from 413 / 482 to 396 / 461 us
+(results/h100/wint_mma_w_tail.txt). At M = 1 the FMA GEMV is 1.4-1.7x faster, so it
 keeps M <= 2; past MMA_MAX_M rows dequantize + cuBLAS is faster. 8-bit codes at up to 32 rows
 run here only for small weights (wint_mma_applies).
 """
