@@ -220,7 +220,6 @@ def test_wint_mma_takes_whole_x_tiles_then_the_rest(monkeypatch):
         assert launches == expected
 
 
-
 @needs_triton
 def test_wint_mma_takes_w_rows_past_whole_waves_in_narrower_tiles(monkeypatch):
     """256-row x tiles, one program an SM (a nominal 8 off CUDA): 5 row tiles x 2 x tiles are
@@ -234,6 +233,7 @@ def test_wint_mma_takes_w_rows_past_whole_waves_in_narrower_tiles(monkeypatch):
         seen.clear()
         _check(n, 128, 4, 128, 512, torch.float16, "cpu", seed=n)
         assert seen == [Launch(512, n, 128, True)], n
+
 
 def test_wint_mma_tiles_past_one_x_tile():
     """Past MMA_X_TILE_MAX rows x is cut into 256-row tiles: int4 and 8-bit codes both take 128
