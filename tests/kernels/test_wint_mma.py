@@ -235,6 +235,24 @@ def test_wint_mma_takes_w_rows_past_whole_waves_in_narrower_tiles(monkeypatch):
         assert seen == [Launch(512, n, 128, True)], n
 
 
+
+def test_wint_mma_head_rows_on_132_sms(monkeypatch):
+    """Which Llama-3.1-8B layers split W's rows on the H100's 132 SMs: gate_up at 512 rows (448
+    tiles: 198 row tiles in 3 waves, 26 left as 104 programs) and qkv at 1024 (192 tiles: 33 row
+    tiles a wave, 15 left as 120 programs); not gate_up at 256 or 1024 rows (92 / 26 row tiles
+    left, 184 / 208 programs: more than a wave), nor layers of fewer tiles than SMs, nor x tiles
+    under 256 rows."""
+    monkeypatch.setattr(mma, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+
+    def head(m, n, k=4096):
+        return mma._head_rows(mma.wint_mma_tiles(m, n, k, 128, 4, cpu), m, n, cpu)
+
+    assert head(512, 28672) == 198 * 128 and head(1024, 6144) == 33 * 128
+    assert head(256, 28672) == head(1024, 28672) == 0
+    assert head(512, 6144) == head(512, 4096) == head(512, 4096, 14336) == 0
+    assert head(128, 28672) == 0
+
 def test_wint_mma_tiles_past_one_x_tile():
     """Past MMA_X_TILE_MAX rows x is cut into 256-row tiles: int4 and 8-bit codes both take 128
     rows of W in 8 warps there (8-bit codes with 4 stages)."""
