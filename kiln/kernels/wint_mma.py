@@ -159,9 +159,13 @@ def _wint_mma_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     xt_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    kw_begin = pid_k * kw_per_split
+    if SPLIT == 1:  # K from a constant 0: int4 gate_up at 128 rows 74.5 -> 67.7 us
+        kw_begin, kw_end = 0, KW
+    else:
+        kw_begin = pid_k * kw_per_split
+        kw_end = tl.minimum(kw_begin + kw_per_split, KW)
     wait_for_inputs(USE_PDL)
-    for kw0 in range(kw_begin, tl.minimum(kw_begin + kw_per_split, KW), STEP_W):
+    for kw0 in range(kw_begin, kw_end, STEP_W):
         words = tl.load(w_rows + (kw0 + offs_w)[None, :])  # [BLOCK_N, STEP_W]
         w = tl.reshape(_code_pairs(words[:, :, None], BITS, H, ASM, dt), [BLOCK_N, BK])
         k = kw0 * CPW + tl.arange(0, BK)
