@@ -6,6 +6,8 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
     python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
         [--stages 3] [--k-step 128] [--per-channel] [--split 2] [--ragged-m]
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8] [--pdl]
+    python3 benchmarks/sm90_compile.py wint_ws --bits 4 --group 128 --block-n 128 --block-m 256
+        --stages 4  (the Gluon kernel: its own compile, M and N unspecialized)
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
     ... [--unspecialized M,stride_om]
 
@@ -34,7 +36,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kiln.kernels import gemm, wint_mma  # noqa: E402
+from kiln.kernels import gemm, wint_mma, wint_ws  # noqa: E402
 
 
 def wint_mma_variant(a: argparse.Namespace) -> tuple:
@@ -75,8 +77,8 @@ def machine_code(kernel) -> tuple[int, int, str]:
             int(re.search(r"STACK:(\d+)", usage).group(1)), sass)
 
 
-def k_loop(sass: str) -> list[str]:
-    """The instructions of the innermost loop with wgmmas (a label, then a branch back to it)."""
+def k_loop_lines(sass: str) -> list[str]:
+    """The SASS lines of the innermost loop with wgmmas (a label, then a branch back to it)."""
     lines = sass.splitlines()
     labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:$", line)}
     best: list[str] = []
@@ -86,19 +88,27 @@ def k_loop(sass: str) -> list[str]:
             body = lines[labels[back.group(1)]:i + 1]
             if any("GMMA" in b for b in body) and (not best or len(body) < len(best)):
                 best = body
+    return best
+
+
+def k_loop(sass: str) -> list[str]:
+    """The opcodes of k_loop_lines."""
     return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)",
-                      "\n".join(best), re.M)
+                      "\n".join(k_loop_lines(sass)), re.M)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["wint_mma", "gemm"])
+    parser.add_argument("kernel", choices=["wint_mma", "gemm", "wint_ws"])
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--block-m", type=int, default=None,
                         help="x rows a tile (wint_mma: 256; gemm: 64)")
     parser.add_argument("--block-k", type=int, default=128)
     parser.add_argument("--k-step", type=int, default=128)
+    parser.add_argument("--group", type=int, default=128,
+                        help="wint_ws: codes a scale group (>= --k: per channel)")
+    parser.add_argument("--k", type=int, default=4096, help="wint_ws: K")
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
@@ -108,7 +118,17 @@ def main() -> None:
     parser.add_argument("--unspecialized", default="M",
                         help="comma-separated integer arguments compiled as not divisible by 16")
     a = parser.parse_args()
-    a.block_m = a.block_m or (256 if a.kernel == "wint_mma" else 64)
+    a.block_m = a.block_m or (64 if a.kernel == "gemm" else 256)
+    if a.kernel == "wint_ws":
+        kernel = wint_ws.compile_sm90(a.bits, a.group, a.k,
+                                      wint_ws.WsTiles(a.block_n, a.block_m, a.stages))
+    else:
+        kernel = _compile_triton(parser, a)
+    registers, spill_bytes, sass = machine_code(kernel)
+    report(a, kernel, registers, spill_bytes, sass)
+
+
+def _compile_triton(parser: argparse.ArgumentParser, a: argparse.Namespace):
     fn, sig, consts = (wint_mma_variant if a.kernel == "wint_mma" else gemm_variant)(a)
     for name in fn.arg_names:  # the remaining arguments: int32 scalars
         if name not in sig and name not in consts:
@@ -123,9 +143,11 @@ def main() -> None:
              if t == "i32" and n not in unspecialized or t.startswith("*")}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                            options=dict(num_warps=a.warps, num_stages=a.stages))
-    registers, spill_bytes, sass = machine_code(kernel)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                          options=dict(num_warps=a.warps, num_stages=a.stages))
+
+
+def report(a: argparse.Namespace, kernel, registers: int, spill_bytes: int, sass: str) -> None:
     loop = Counter(k_loop(sass))
     report = dict(kernel=a.kernel, triton=triton.__version__,
                   options={k: v for k, v in vars(a).items() if k not in ("kernel", "dump")},
@@ -142,6 +164,8 @@ def main() -> None:
                            ("sass", sass)]:
             with open(os.path.join(a.dump, f"{a.kernel}.{name}"), "w") as f:
                 f.write(text)
+        with open(os.path.join(a.dump, "k_loop.sass"), "w") as f:
+            f.write("\n".join(k_loop_lines(sass)))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 the Llama-3.1-8B layer shapes, next to bf16 cuBLAS; JSON out, one line a (layer, bits, M).
 
     PYTHONPATH=. python3 benchmarks/wint_mma_sweep.py --out F [--ms 16,32,64,128,256,512,1024]
-        [--default-only]
+        [--default-only] [--ws]
 
 Whichever kiln is first on the path is swept, so two trees compare on one machine (an older
 tree's kiln first on PYTHONPATH, with --default-only: its wint_mma_tiles picks). Weights are
@@ -14,7 +14,9 @@ HBM, not the 50 MB L2). Candidates: 64 or 128 rows of W against x tiles of the n
 two >= M rows (at most MMA_X_TILE_MAX) or half that, 4 or 8 warps, 3 or 4 stages; each at the
 split _split picks ("*" in its key), half and twice it. Each row also times what the library
 runs at that M (quant_gemm.wint_linear_triton: dequantize + cuBLAS past MMA_MAX_M) and
-dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against.
+dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against. --ws adds the persistent
+Gluon kernel (kiln/kernels/wint_ws.py) at each of WS_TILES ("ws 128x256s4": rows of W x rows of
+x, stages), checked the same way.
 """
 
 from __future__ import annotations
@@ -37,9 +39,15 @@ from kiln.kernels.quant_gemm import (  # noqa: E402
 )
 from kiln.kernels.wint_mma import MmaTiles  # noqa: E402
 
+try:  # a tree from before the Gluon kernel: --ws not available
+    from kiln.kernels import wint_ws as ws  # noqa: E402
+except ImportError:
+    ws = None
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 FORMATS = ((4, 128), (8, 0))  # (bits, group); 0: per channel
+WS_TILES = ((128, 256, 4), (128, 256, 3), (128, 128, 4), (64, 256, 5), (64, 128, 8))
 
 
 def make_weight(n: int, k: int, bits: int, group: int, gen: torch.Generator):
@@ -62,7 +70,7 @@ def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
 
 
 def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generator,
-              dense: torch.Tensor, default_only: bool) -> dict:
+              dense: torch.Tensor, default_only: bool, with_ws: bool = False) -> dict:
     words, scales = make_weight(n, k, bits, group, gen)
     g = group or k
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -92,6 +100,11 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
                    x, packed(a[0]), a[1], None, bits, g)),
                dequant_us=checked(lambda a: lambda: x @ wint_dequant_triton(
                    packed(a[0]), a[1], None, bits, g, x.dtype).t()))
+    if with_ws:
+        for block_n, block_m, stages in WS_TILES:
+            t = ws.WsTiles(block_n, block_m, stages)
+            row[f"ws {block_n}x{block_m}s{stages}"] = checked(
+                lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
     if default_only:
         return row
     k_step = g if g < k else wm._per_channel_step(k)
@@ -112,6 +125,7 @@ def main() -> None:
     parser.add_argument("--ms", default="16,32,64,128,256,512,1024")
     parser.add_argument("--default-only", action="store_true",
                         help="time wint_mma_tiles' picks only (and bf16)")
+    parser.add_argument("--ws", action="store_true", help="also time wint_ws at WS_TILES")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -120,7 +134,7 @@ def main() -> None:
         for bits, group in FORMATS:
             for m in (int(v) for v in args.ms.split(",")):
                 row = dict(shape=name, **sweep_one(n, k, bits, group, m, gen, dense,
-                                                   args.default_only))
+                                                   args.default_only, args.ws))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 with open(args.out, "w") as f:  # after every row: a cut-short run keeps its data

@@ -17,7 +17,9 @@ kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): no kernel needs a re
 Symmetric int4 and 8-bit integer codes without act-order at 16-bit x and 3 to
 wint_mma.MMA_MAX_M rows (see wint_mma_applies) skip all three for kiln/kernels/wint_mma.py
 (codes decoded straight into tensor-core operands: faster than the tile kernel and the
-dequantization there), unless the caller forces a config.
+dequantization there), unless the caller forces a config; at wint_ws.WS_MIN_M..WS_MAX_M
+rows, where wint_ws_preferred says so, the persistent warp-specialized Gluon kernel
+kiln/kernels/wint_ws.py takes them instead (8-bit codes up to 1024 rows, past wint_mma's 512).
 ``gated=True`` (Llama's merged gate/up projection) returns silu(gate) * up instead of y: the
 CUDA-core GEMV computes it in its epilogue, every other path runs silu_and_mul after. The bias
 goes in the word-streaming kernels' epilogue where K is not split, else it is added after.
@@ -43,6 +45,7 @@ from kiln.kernels._triton import (
 from kiln.kernels.activation import silu_and_mul, silu_mul
 from kiln.kernels.w4_gemv import w4_gemv, w4_gemv_applies
 from kiln.kernels.wint_mma import MmaTiles, wint_mma_applies, wint_mma_gemm
+from kiln.kernels.wint_ws import wint_ws_applies, wint_ws_gemm, wint_ws_preferred
 
 FP8_DTYPE = torch.float8_e4m3fn
 # above this many rows dequantize-then-cuBLAS beats the fused tile kernel (benchmarks/gpu_quant.py;
@@ -896,9 +899,15 @@ def wint_gemm_triton(
         return torch.empty(0, n // 2 if gated else n, device=x.device, dtype=out_dtype or x.dtype)
     words = _words(qweight, bits)
     w_fp8 = qweight.dtype == FP8_DTYPE
-    if isinstance(config, MmaTiles) or config is None and _mma_applies(x, qweight, zeros, perm,
-                                                                       bits, group_size):
-        out = wint_mma_gemm(x, words, scales, bits, group, smooth, out_dtype, config)
+    ws = (config is None and words is not None and zeros is None and perm is None
+          and smooth is None and not w_fp8 and wint_ws_preferred(m, n, k, bits, num_sms(x.device))
+          and wint_ws_applies(x, words, scales, bits, group))
+    if ws or isinstance(config, MmaTiles) or config is None and _mma_applies(
+            x, qweight, zeros, perm, bits, group_size):
+        if ws:
+            out = wint_ws_gemm(x, words, scales, bits, group, out_dtype)
+        else:
+            out = wint_mma_gemm(x, words, scales, bits, group, smooth, out_dtype, config)
         if bias is not None:
             out += bias
         return silu_and_mul(out) if gated else out

@@ -47,30 +47,25 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.kernels._gluon import (
+    HAS_GLUON,
+    async_copy,
+    axis_layout,
+    cp_async,
+    cta_barrier,
+    fence_async_shared,
+    gdc,
+    jit,
+    mbarrier,
+    memdesc_reinterpret,
+    tma_load,
+    ttgl,
+)
+from kiln.kernels._gluon import TensorDescriptor as GluonTensorDescriptor
+from kiln.kernels._gluon import (
+    compile_sm90 as _compile_sm90,
+)
 from kiln.kernels._triton import next_power_of_2, pdl, use_triton
-
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as ttgl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-
-    # renamed after triton 3.6 (3.9: async_load for both copies, the old names raise;
-    # memdesc .reinterpret; ttgl.barrier)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    _memdesc_reinterpret = (getattr(ttgl.shared_memory_descriptor, "reinterpret", None)
-                            or ttgl.shared_memory_descriptor._reinterpret)
-    _cta_barrier = getattr(ttgl, "thread_barrier", None) or ttgl.barrier
-    HAS_GLUON = True
-    _jit = gluon.jit
-except ImportError:  # no triton, or one without Gluon's Hopper API: w4_gemv_applies is False
-    HAS_GLUON = False
-    GluonTensorDescriptor = None
-
-    def _jit(fn):
-        return fn
 
 GROUP = 128  # codes per scale group (the only group size this kernel takes)
 MAX_M = 2  # rows of x (programs along grid axis 0: the second row reads the weights from L2)
@@ -161,19 +156,7 @@ def _smem_bytes(cfg: W4GemvConfig, steps: int) -> int:
     return ring + table + staging + scales + 16 * (buffers + 1)
 
 
-def _axis_layout_impl(layout, axis):
-    """The layout of an arange along ``axis`` of a tensor in ``layout`` (every other axis
-    sliced away, highest first, so that [:, None]-style indexing restores ``layout``)."""
-    for dim in reversed(range(layout.rank)):
-        if dim != axis:
-            layout = ttgl.SliceLayout(dim, layout)
-    return layout
-
-
-_axis_layout = gluon.constexpr_function(_axis_layout_impl) if HAS_GLUON else _axis_layout_impl
-
-
-@_jit
+@jit
 def _code_fma(t, mask: ttgl.constexpr, one, xw, p):
     """p + f xw for the code under ``mask`` in t (its mantissa bits), f = 1 + u 2^(pos - 23)."""
     f = ((t & mask) | one).to(ttgl.float32, bitcast=True)
@@ -182,7 +165,7 @@ def _code_fma(t, mask: ttgl.constexpr, one, xw, p):
     return ttgl.fma(f, xw, p)  # explicit: triton 3.10 stops fusing a * b + c by default
 
 
-@_jit
+@jit
 def _split8(t):
     """[..., 8] -> its 8 planes [...], in order (in-register splits)."""
     even, odd = ttgl.split(ttgl.reshape(t, t.shape[:-1] + [2, 2, 2]))
@@ -195,18 +178,7 @@ def _split8(t):
     return c0, c1, c2, c3, c4, c5, c6, c7
 
 
-@_jit
-def _gdc(WAIT: ttgl.constexpr):
-    """griddepcontrol.wait (WAIT) or .launch_dependents, as kiln.kernels._triton.wait_for_inputs."""
-    if WAIT:
-        ttgl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=ttgl.int32,
-                                    is_pure=False, pack=1)
-    else:
-        ttgl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                                    dtype=ttgl.int32, is_pure=False, pack=1)
-
-
-@_jit
+@jit
 def _decode_step(acc, words, xt, dt, st, i, one, L3: ttgl.constexpr, LOAD_ONLY: ttgl.constexpr):
     """acc [BLOCK_N, NC] += s (sum over a column's 4 words of sum_j (u_j - 8) x_j / 16) for
     chunk i's words [BLOCK_N, NC, 4]. LOAD_ONLY (benchmarks: the floor of this structure, wrong
@@ -230,7 +202,7 @@ def _decode_step(acc, words, xt, dt, st, i, one, L3: ttgl.constexpr, LOAD_ONLY: 
     return ttgl.fma(scale, ttgl.sum(p, axis=2), acc)
 
 
-@_jit
+@jit
 def _w4_gemv_kernel(
     w_desc, x_ptr, s_ptr, out_ptr,
     N, K, stride_xm, stride_sn, stride_om, stride_os,
@@ -283,7 +255,7 @@ def _w4_gemv_kernel(
         for s in ttgl.static_range(NUM_STEPS):
             mbarrier.expect(bars[s], CHUNK_BYTES)
         for s in ttgl.static_range(NUM_STEPS):
-            _tma_load(w_desc, [row0, kw0 + s * CHUNK_KW], bars[s], bufs[s])
+            tma_load(w_desc, [row0, kw0 + s * CHUNK_KW], bars[s], bufs[s])
     else:  # a ring of NUM_STAGES buffers
         ring = ttgl.allocate_shared_memory(ttgl.int32, [NUM_STAGES, BLOCK_N, CHUNK_KW],
                                            w_desc.layout)
@@ -293,11 +265,11 @@ def _w4_gemv_kernel(
             mbarrier.init(ring_bars.index(s), count=1)
         for s in ttgl.static_range(NUM_STAGES):
             mbarrier.expect(ring_bars.index(s), CHUNK_BYTES)
-            _tma_load(w_desc, [row0, kw0 + s * CHUNK_KW], ring_bars.index(s), ring.index(s))
+            tma_load(w_desc, [row0, kw0 + s * CHUNK_KW], ring_bars.index(s), ring.index(s))
     # scales (weights too: before the PDL wait) into registers: [step, row, group of the step]
-    si = ttgl.arange(0, SCALE_STEPS, layout=_axis_layout(LS, 0))
-    sr = ttgl.arange(0, BLOCK_N, layout=_axis_layout(LS, 1))
-    sg = ttgl.arange(0, GPS, layout=_axis_layout(LS, 2))
+    si = ttgl.arange(0, SCALE_STEPS, layout=axis_layout(LS, 0))
+    sr = ttgl.arange(0, BLOCK_N, layout=axis_layout(LS, 1))
+    sg = ttgl.arange(0, GPS, layout=axis_layout(LS, 2))
     g = (pid_k * (NUM_STEPS * GPS) + si * GPS)[:, None, None] + sg[None, None, :]
     rows_s = row0 + sr[None, :, None]
     s_mask = (si < NUM_STEPS)[:, None, None] & (rows_s < N)
@@ -306,35 +278,35 @@ def _w4_gemv_kernel(
     s_vals = ttgl.load(s_ptr + rows_s.to(ttgl.int64) * stride_sn + g, mask=s_mask, other=0.0)
 
     if USE_PDL:
-        _gdc(True)
-        _gdc(False)
+        gdc(True)
+        gdc(False)
 
     # 2. x (written by the previous kernel), staged by cp.async in one go (steps padded to a
     # power of two, zero-filled): [step, column, word, code]
     xs = ttgl.allocate_shared_memory(ttgl.bfloat16, [SCALE_STEPS, NC, 4, 8], PLAIN4)
-    bi = ttgl.arange(0, SCALE_STEPS, layout=_axis_layout(LC, 0))
-    bc = ttgl.arange(0, NC, layout=_axis_layout(LC, 1))
-    bv = ttgl.arange(0, 4, layout=_axis_layout(LC, 2))
-    bw = ttgl.arange(0, 8, layout=_axis_layout(LC, 3))
+    bi = ttgl.arange(0, SCALE_STEPS, layout=axis_layout(LC, 0))
+    bc = ttgl.arange(0, NC, layout=axis_layout(LC, 1))
+    bv = ttgl.arange(0, 4, layout=axis_layout(LC, 2))
+    bw = ttgl.arange(0, 8, layout=axis_layout(LC, 3))
     k = ((kw0 + bi[:, None, None, None] * CHUNK_KW + bc[None, :, None, None] * 4
           + bv[None, None, :, None]) * 8 + bw[None, None, None, :])
-    _cp_async(xs, x_ptr + pid_m * stride_xm + k,
+    cp_async(xs, x_ptr + pid_m * stride_xm + k,
               mask=(bi < NUM_STEPS)[:, None, None, None] & (k < K))
-    xs = _memdesc_reinterpret(xs, ttgl.bfloat16, [SCALE_STEPS, NC, 4, 8], PLAIN3)
-    bj = ttgl.arange(0, 8, layout=_axis_layout(LB, 2))
+    xs = memdesc_reinterpret(xs, ttgl.bfloat16, [SCALE_STEPS, NC, 4, 8], PLAIN3)
+    bj = ttgl.arange(0, 8, layout=axis_layout(LB, 2))
     async_copy.commit_group()
     # meanwhile the scales, each repeated for the 4 columns of its group: [step, row, column]
     s2 = ttgl.join(s_vals, s_vals)
     st = ttgl.allocate_shared_memory(ttgl.bfloat16, [SCALE_STEPS, BLOCK_N, NC], PLAIN3,
                                      ttgl.reshape(ttgl.join(s2, s2), [SCALE_STEPS, BLOCK_N, NC]))
-    st = _memdesc_reinterpret(st, ttgl.bfloat16, [SCALE_STEPS, BLOCK_N, NC], PLAIN2)
+    st = memdesc_reinterpret(st, ttgl.bfloat16, [SCALE_STEPS, BLOCK_N, NC], PLAIN2)
     async_copy.wait_group(0)
-    _cta_barrier()
+    cta_barrier()
 
     # the decode's x tables: xt [step * 8 + code j, column, word] = x_j 2^X_SHIFTS[j]
     # (built as [step][column, word, j] through a permuted view), dt [step, column, word] = -D
     xt = ttgl.allocate_shared_memory(ttgl.float32, [NUM_STEPS * 8, NC, 4], PLAIN2)
-    xt_build = _memdesc_reinterpret(xt, ttgl.float32, [NUM_STEPS, 8, NC, 4], PLAIN3)
+    xt_build = memdesc_reinterpret(xt, ttgl.float32, [NUM_STEPS, 8, NC, 4], PLAIN3)
     dt = ttgl.allocate_shared_memory(ttgl.float32, [NUM_STEPS, NC, 4], PLAIN2)
     shift = ttgl.where(bj < 3, 8 - 4 * bj, ttgl.where(bj < 5, 19 - 4 * bj, 28 - 4 * bj))
     mult = (1 << shift).to(ttgl.float32)[None, None, :]
@@ -343,7 +315,7 @@ def _w4_gemv_kernel(
         xw = xv * mult
         xt_build.index(i).permute([1, 2, 0]).store(xw)
         dt.index(i).store(-ttgl.sum(xw + 0.5 * xv, axis=2))
-    _cta_barrier()
+    cta_barrier()
 
     # 3. decode chunk i while chunks i + 1 .. i + NUM_STAGES - 1 land
     # 1.0f's bits as a run-time value (K > 0): an immediate is re-materialized before every use
@@ -366,11 +338,11 @@ def _w4_gemv_kernel(
                 assert_trivial=True)
             # refill the buffer with chunk i + NUM_STAGES once every warp's words are in
             # registers (the compiler inserts the same barrier and fence: explicit here)
-            _cta_barrier()
+            cta_barrier()
             fence_async_shared()
             refill = i + NUM_STAGES < NUM_STEPS
             mbarrier.expect(ring_bars.index(stage), CHUNK_BYTES, pred=refill)
-            _tma_load(w_desc, [row0, kw0 + (i + NUM_STAGES) * CHUNK_KW], ring_bars.index(stage),
+            tma_load(w_desc, [row0, kw0 + (i + NUM_STAGES) * CHUNK_KW], ring_bars.index(stage),
                       ring.index(stage), pred=refill)
             acc = _decode_step(acc, words, xt, dt, st, i, one, L3, LOAD_ONLY)
         for s in ttgl.static_range(NUM_STAGES):
@@ -470,12 +442,7 @@ def compile_sm90(config: W4GemvConfig, k: int, out_dtype: str = "bf16", use_pdl:
     """The kernel compiled for sm_90 on any host (no GPU needed): triton's CompiledKernel, whose
     asm holds ttgir / ptx / cubin. Integer arguments specialized as a launch would (divisible by
     16) except N, for odd row counts."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     p = plan(config, k)
-    fn = _w4_gemv_kernel
     layout = _word_layout()
     sig = {"w_desc": f"tensordesc<i32[{config.block_n}, {config.chunk_kw}],{layout!r}>",
            "x_ptr": "*bf16", "s_ptr": "*bf16",
@@ -483,10 +450,4 @@ def compile_sm90(config: W4GemvConfig, k: int, out_dtype: str = "bf16", use_pdl:
            "N": "i32", "K": "i32", "stride_xm": "i32", "stride_sn": "i32", "stride_om": "i32",
            "stride_os": "i32"}
     consts = _constexprs(config, k, p.num_steps, p.split, use_pdl, load_only)
-    sig.update({name: "constexpr" for name in consts})
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name, ty in sig.items() if ty.startswith("*") or ty == "i32" and name != "N"}
-    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v
-                                              for c, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=config.num_warps))
+    return _compile_sm90(_w4_gemv_kernel, sig, consts, config.num_warps, unspecialized=("N",))

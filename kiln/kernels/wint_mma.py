@@ -73,20 +73,20 @@ _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel 
 # selector of the pair in $5 ($6), the pair out in $0. The prmt puts the pair's codes in the low
 # bits of bytes 0 and 2: for int4 byte i of the word and byte i of the word >> 4 (codes 2 i and
 # 2 i + 1), for 8-bit codes bytes 2 i and 2 i + 1 of the word (the second word unused).
-_DECODE4_BF16 = tl.constexpr(
+DECODE4_BF16 = tl.constexpr(
     "{ .reg .b32 t, one, off; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; "
     "prmt.b32 t, $1, $3, $5; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
     "fma.rn.bf16x2 $0, t, one, off; }")
-_DECODE4_F16 = tl.constexpr(
+DECODE4_F16 = tl.constexpr(
     "{ .reg .b32 t, one, off; mov.b32 one, 0x3C003C00; mov.b32 off, 0xE408E408; "
     "prmt.b32 t, $1, $3, $5; lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA; "
     "fma.rn.f16x2 $0, t, one, off; }")
 # 0xEA: (a & b) | c; 0x6A: (a & b) ^ c (the top bit set turns -256 / -1152 into -128 / -1024)
-_DECODE8_BF16 = tl.constexpr(
+DECODE8_BF16 = tl.constexpr(
     "{ .reg .b32 p, t, c, one; mov.b32 one, 0x3F803F80; prmt.b32 p, $1, $3, $5; "
     "lop3.b32 t, p, 0x007F007F, 0x43004300, 0xEA; lop3.b32 c, p, 0x00800080, 0xC380C380, 0x6A; "
     "fma.rn.bf16x2 $0, t, one, c; }")
-_DECODE8_F16 = tl.constexpr(
+DECODE8_F16 = tl.constexpr(
     "{ .reg .b32 p, t, c, one; mov.b32 one, 0x3C003C00; prmt.b32 p, $1, $3, $5; "
     "lop3.b32 t, p, 0x007F007F, 0x64006400, 0xEA; lop3.b32 c, p, 0x00800080, 0xE480E480, 0x6A; "
     "fma.rn.f16x2 $0, t, one, c; }")
@@ -119,11 +119,11 @@ def _code_pairs(words, BITS: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr,
         # (the asm broadcasts its arguments: words and second [..., 1, 2], sel [H, 2])
         args = [tl.join(words, words), tl.join(second, second), tl.join(sel, sel)]
         if dtype == tl.bfloat16:  # (inline asm takes literal dtypes, not a constexpr one)
-            asm: tl.constexpr = _DECODE4_BF16 if BITS == 4 else _DECODE8_BF16
+            asm: tl.constexpr = DECODE4_BF16 if BITS == 4 else DECODE8_BF16
             return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", args, dtype=tl.bfloat16,
                                              is_pure=True, pack=2)
         else:
-            asm: tl.constexpr = _DECODE4_F16 if BITS == 4 else _DECODE8_F16
+            asm: tl.constexpr = DECODE4_F16 if BITS == 4 else DECODE8_F16
             return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", args, dtype=tl.float16,
                                              is_pure=True, pack=2)
     # the interpreter runs no PTX: the same values with integer ops

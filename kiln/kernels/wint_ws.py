@@ -1,0 +1,432 @@
+"""Persistent, warp-specialized tensor-core weight-only GEMM for large decode batches (Gluon,
+sm_90): wint_mma.py's formats (symmetric int4 codes, group-wise or per channel, and symmetric
+8-bit codes per channel) and its math, in the structure cuBLAS uses for bf16.
+
+    out^T [N, M] = W [N, K] @ x^T [K, M],   W[n, k] = (u[n, k] - 2^(b - 1)) s[n, k // G]
+
+Why a second kernel: past 256 rows wint_mma's Triton kernel runs at 0.65-0.80x of cuBLAS bf16
+(benchmarks/results/h100/wint_mma_stream_k.txt). Its decode costs only 2-5%; what it lacks is
+cuBLAS's structure: one program per tile leaves a partial last wave idle, and the warps that
+decode and multiply also issue x's cp.async loads and meet at a barrier every K step (tensor
+pipe busy 75% of active cycles against cuBLAS's 99%). Here:
+
+- one program per SM walks tiles pid, pid + programs, ... with x tiles fastest, so the programs
+  that share a tile of W run at the same time and read it from HBM once;
+- a producer warp streams each K step's x tile ([BLOCK_M, 64] 16-bit, 128-byte swizzle) and
+  code words ([BLOCK_N, 64 codes] as int32) by TMA into a ring of NUM_STAGES buffers, each
+  completing a "ready" mbarrier. It runs ahead across tiles, so the next tile's loads overlap
+  this tile's epilogue. Rows of x past M and of W past N arrive as zeros (TMA's fill) and their
+  outputs are not stored;
+- the default partition's warpgroups (64 rows of W each, ``BLOCK_N // 16`` warps) load words
+  from shared memory in a layout where each thread holds exactly the words of its wgmma A
+  fragment (``_decode_layout``), decode its pair of codes of each word (wint_mma's prmt / lop3 /
+  fma asm) straight into the register operand, and issue an asynchronous wgmma against x in
+  shared memory. A step's wgmma runs while the next step decodes; a stage goes back to the
+  producer ("empty" mbarrier) once the wgmma that read it has finished.
+
+Group scales (64 or 128 codes) multiply the decoded weights (rounded to x's dtype, as the
+dequantized reference's); per-channel scales multiply the accumulator once at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kiln.kernels._gluon import (
+    HAS_GLUON,
+    TensorDescriptor,
+    axis_layout,
+    constexpr_function,
+    fence_async_shared,
+    gdc,
+    jit,
+    mbarrier,
+    tma_load,
+    ttgl,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from kiln.kernels._gluon import (
+    compile_sm90 as _compile_sm90,
+)
+from kiln.kernels._triton import num_sms, pdl
+from kiln.kernels.wint_mma import DECODE4_BF16, DECODE4_F16, DECODE8_BF16, DECODE8_F16
+
+STEP = 64  # codes of K a step: x boxes 64 16-bit values wide (128 bytes, the widest swizzle)
+_STEP = ttgl.constexpr(STEP) if HAS_GLUON else STEP  # (kernels read constexpr globals only)
+# registers a thread: the producer warp's, and a consumer warpgroup's that is a worker partition
+# (the one in the default partition gets what is left of the launch's maxnreg)
+PRODUCER_REGS = ttgl.constexpr(24) if HAS_GLUON else 24
+CONSUMER_REGS = ttgl.constexpr(232) if HAS_GLUON else 232
+
+
+@dataclass(frozen=True)
+class WsTiles:
+    """block_n rows of W a tile (64 a consumer warpgroup), block_m rows of x a tile
+    (the wgmma's N: a multiple of 16 up to 256), stages ring buffers."""
+
+    block_n: int = 128
+    block_m: int = 256
+    stages: int = 4
+
+    def __post_init__(self):
+        if self.block_n not in (64, 128):
+            raise ValueError(f"block_n={self.block_n}: 64 or 128 (one or two warpgroups)")
+        if self.block_m % 16 or not 16 <= self.block_m <= 256:
+            raise ValueError(f"block_m={self.block_m}: a multiple of 16 in 16..256")
+        if not 2 <= self.stages <= 8:
+            raise ValueError(f"stages={self.stages}: 2..8")
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups (64 rows of W each)."""
+        return self.block_n // 64
+
+
+@constexpr_function
+def _decode_layout(bits):
+    """[64 rows, words a step, pairs a word, 2] such that the reshape to [64, STEP] is
+    wgmma's register A layout (DotOperandLayout(0, NVMMA v3, k_width=2)). In that layout a
+    thread holds rows r and r + 8 and, per 16 codes of K, codes 2 t, 2 t + 1, 2 t + 8, 2 t + 9
+    (t = lane % 4): for int4 (8 codes a word) pair t of every word, for 8-bit codes (4 a word)
+    pair t % 2 of every other word. Lanes whose only difference is the pair share their words
+    (a broadcast shared-memory load)."""
+    bits = int(bits)  # (a constexpr inside a kernel)
+    step_w = STEP * bits // 32
+    pairs = 16 // bits
+
+    def basis(n=0, w=0, p=0, e=0):
+        return [n, w, p, e]
+
+    # registers: the pair's two codes, row + 8, then K upward (the operand's order)
+    reg = [basis(e=1), basis(n=8)]
+    if bits == 4:  # k = 8 w + 2 p + e: lanes take K bits 1-2 (the pair)
+        lane = [basis(p=1), basis(p=2)]
+        reg += [basis(w=1 << i) for i in range(int(math.log2(step_w)))]
+    else:  # k = 4 w + 2 p + e: lanes take K bits 1 (the pair) and 2 (the word's lowest bit)
+        lane = [basis(p=1), basis(w=1)]
+        reg += [basis(w=1 << i) for i in range(1, int(math.log2(step_w)))]
+    lane += [basis(n=1), basis(n=2), basis(n=4)]
+    warp = [basis(n=16), basis(n=32)]  # a warpgroup: 4 warps of 16 rows
+    return ttgl.DistributedLinearLayout(reg, lane, warp, [], [64, step_w, pairs, 2])
+
+
+@jit
+def _decode(words, BITS: ttgl.constexpr, L4: ttgl.constexpr, A: ttgl.constexpr,
+            dtype: ttgl.constexpr):
+    """words [BLOCK_N, STEP_W] (layout: L4 without its last two axes) -> the codes less
+    2^(BITS - 1), [BLOCK_N, _STEP] in dtype and layout A: each thread decodes only the pairs of
+    its own fragment."""
+    P: ttgl.constexpr = 16 // BITS
+    pair = ttgl.arange(0, P, layout=axis_layout(L4, 2))
+    half = ttgl.arange(0, 2, layout=axis_layout(L4, 3))
+    # prmt selectors of the pair's bytes (wint_mma._code_pairs): int4 bytes p of the word and
+    # of the word >> 4, 8-bit codes bytes 2 p and 2 p + 1 of the word
+    if BITS == 4:
+        second = words >> 4
+        sel = pair * 0x101 + 0x400
+    else:
+        second = words
+        sel = pair * 0x202 + 0x100
+    sel = sel[None, None, :, None] + half[None, None, None, :] * 0
+    first, sel = ttgl.broadcast(words[:, :, None, None], sel)
+    second, _ = ttgl.broadcast(second[:, :, None, None], sel)
+    if dtype == ttgl.bfloat16:  # (inline asm takes literal dtypes, not a constexpr one)
+        asm: ttgl.constexpr = DECODE4_BF16 if BITS == 4 else DECODE8_BF16
+        codes = ttgl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", [first, second, sel],
+                                            dtype=ttgl.bfloat16, is_pure=True, pack=2)
+    else:
+        asm: ttgl.constexpr = DECODE4_F16 if BITS == 4 else DECODE8_F16
+        codes = ttgl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", [first, second, sel],
+                                            dtype=ttgl.float16, is_pure=True, pack=2)
+    flat = ttgl.reshape(codes, [codes.shape[0], codes.shape[1] * P * 2])
+    return ttgl.convert_layout(flat, A, assert_trivial=True)
+
+
+# Every partition takes the same arguments (worker partitions share one signature): the TMA
+# descriptors, the shared buffers and barriers (x and words rings, decoded-W buffers, ready,
+# empty), the pointers and sizes as tuples, then the constexprs.
+@jit
+def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
+             BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
+             NUM_STAGES: ttgl.constexpr, USE_PDL: ttgl.constexpr):
+    """The producer warp: every tile's K steps, x and words by TMA into the ring."""
+    x_desc, w_desc = descs
+    x_bufs, w_bufs, a_bufs, ready, empty = smem
+    M, N, KW, stride_sn, stride_om, x_tiles, num_tiles = sizes
+    if USE_PDL:  # x is the previous kernel's output; nothing here is stored before this
+        gdc(True)
+        gdc(False)
+    nbytes: ttgl.constexpr = BLOCK_M * _STEP * 2 + BLOCK_N * STEP_W * 4
+    count = 0
+    for tile in range(ttgl.program_id(0), num_tiles, ttgl.num_programs(0)):
+        m0 = (tile % x_tiles) * BLOCK_M
+        row0 = (tile // x_tiles) * BLOCK_N
+        for kw0 in range(0, KW, STEP_W):
+            stage = count % NUM_STAGES
+            # the ring's barriers start in phase 0: the first pass waits on phase 1, done
+            mbarrier.wait(empty.index(stage), ((count // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), nbytes)
+            tma_load(x_desc, [m0, kw0 // STEP_W * _STEP], ready.index(stage), x_bufs.index(stage))
+            tma_load(w_desc, [row0, kw0], ready.index(stage), w_bufs.index(stage))
+            count += 1
+
+
+@jit
+def _consume(smem, ptrs, sizes, WG: ttgl.constexpr, BITS: ttgl.constexpr,
+             GROUP_STEPS: ttgl.constexpr, BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr,
+             STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr):
+    """Consumer warpgroup WG: rows WG * 64 .. + 63 of each tile, acc [64, BLOCK_M] over K,
+    then out^T. Each step decodes its words in registers (the layout of wgmma's A fragment),
+    stores them to one of the warpgroup's two decoded-W buffers and multiplies from there by
+    an asynchronous wgmma, which runs while the next step decodes. (A register A operand
+    cannot stay in flight: the compiler reuses its registers as soon as the wgmma is issued.)
+    Each warpgroup is its own partition and releases a stage by its own arrival."""
+    x_bufs, w_bufs, a_bufs, ready, empty = smem
+    s_ptr, out_ptr = ptrs
+    M, N, KW, stride_sn, stride_om, x_tiles, num_tiles = sizes
+    MMA: ttgl.constexpr = ttgl.NVMMADistributedLayout([3, 0], [4, 1], [16, BLOCK_M, 16])
+    A: ttgl.constexpr = ttgl.DotOperandLayout(0, MMA, 2)
+    L4: ttgl.constexpr = _decode_layout(BITS)
+    LW: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, L4))
+    dt: ttgl.constexpr = x_bufs.dtype
+    rows_a = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, A))
+    rows_c = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, MMA))
+    cols_c = ttgl.arange(0, BLOCK_M, layout=ttgl.SliceLayout(0, MMA))
+    count = 0
+    for tile in range(ttgl.program_id(0), num_tiles, ttgl.num_programs(0)):
+        m0 = (tile % x_tiles) * BLOCK_M
+        row0 = (tile // x_tiles) * BLOCK_N + WG * 64
+        # scale rows clamped (rows past N are computed from zero words and not stored)
+        s_rows = s_ptr + ttgl.minimum(row0 + rows_a, N - 1).to(ttgl.int64) * stride_sn
+        acc = ttgl.zeros([64, BLOCK_M], ttgl.float32, MMA)
+        for step in range(0, KW // STEP_W):
+            stage = count % NUM_STAGES
+            if GROUP_STEPS > 0:  # issued before the wait: its latency hides behind it
+                s = ttgl.load(s_rows + step // GROUP_STEPS)
+            mbarrier.wait(ready.index(stage), (count // NUM_STAGES) & 1)
+            a = _decode(w_bufs.index(stage).slice(WG * 64, 64).load(LW), BITS, L4, A, dt)
+            if GROUP_STEPS > 0:
+                a = a * s[:, None]
+            # buffer count % 2 was last read by the wgmma two steps back, which the previous
+            # step's wait retired
+            a_buf = a_bufs.index(WG * 2 + count % 2)
+            a_buf.store(a)
+            fence_async_shared()
+            acc = warpgroup_mma(a_buf, x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+            # the previous step's wgmma done: its x stage back to the producer
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            mbarrier.arrive(empty.index((count + NUM_STAGES - 1) % NUM_STAGES), pred=step > 0)
+            count += 1
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index((count + NUM_STAGES - 1) % NUM_STAGES))
+        rows = row0 + rows_c
+        if GROUP_STEPS == 0:  # per channel
+            scale = ttgl.load(s_ptr + ttgl.minimum(rows, N - 1).to(ttgl.int64) * stride_sn)
+            acc = acc * scale.to(ttgl.float32)[:, None]
+        cols = m0 + cols_c
+        out = out_ptr + cols.to(ttgl.int64)[None, :] * stride_om + rows[:, None]
+        ttgl.store(out, acc.to(out_ptr.dtype.element_ty),
+                   mask=(rows < N)[:, None] & (cols < M)[None, :])
+
+
+@jit
+def _consume0(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
+              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
+              NUM_STAGES: ttgl.constexpr, USE_PDL: ttgl.constexpr):
+    _consume(smem, ptrs, sizes, 0, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W, NUM_STAGES)
+
+
+@jit
+def _consume1(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
+              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
+              NUM_STAGES: ttgl.constexpr, USE_PDL: ttgl.constexpr):
+    _consume(smem, ptrs, sizes, 1, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W, NUM_STAGES)
+
+
+@jit
+def _wint_ws_kernel(
+    x_desc, w_desc, s_ptr, out_ptr, M, N, KW, stride_sn, stride_om, x_tiles, num_tiles,
+    BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr, BLOCK_N: ttgl.constexpr,
+    BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr,
+    USE_PDL: ttgl.constexpr,
+):  # fmt: skip
+    """Launched with 4 warps (consumer warpgroup 0); warp_specialize adds warpgroup 1 where
+    BLOCK_N is 128, and the producer warp."""
+    x_bufs = ttgl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES, BLOCK_M, _STEP],
+                                         x_desc.layout)
+    w_bufs = ttgl.allocate_shared_memory(ttgl.int32, [NUM_STAGES, BLOCK_N, STEP_W],
+                                         w_desc.layout)
+    a_bufs = ttgl.allocate_shared_memory(x_desc.dtype, [BLOCK_N // 64 * 2, 64, _STEP],
+                                         x_desc.layout)  # two a consumer warpgroup
+    ready = ttgl.allocate_shared_memory(ttgl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = ttgl.allocate_shared_memory(ttgl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in ttgl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=BLOCK_N // 64)  # one arrival a warpgroup
+    fence_async_shared()  # the initialized barriers visible to TMA
+    descs = (x_desc, w_desc)
+    smem = (x_bufs, w_bufs, a_bufs, ready, empty)
+    ptrs = (s_ptr, out_ptr)
+    sizes = (M, N, KW, stride_sn, stride_om, x_tiles, num_tiles)
+    if BLOCK_N == 128:
+        ttgl.warp_specialize([
+            (_consume0, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
+                         NUM_STAGES, USE_PDL)),
+            (_consume1, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
+                         NUM_STAGES, USE_PDL)),
+            (_produce, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
+                        NUM_STAGES, USE_PDL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        ttgl.warp_specialize([
+            (_consume0, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
+                         NUM_STAGES, USE_PDL)),
+            (_produce, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
+                        NUM_STAGES, USE_PDL)),
+        ], [1], [PRODUCER_REGS])
+
+
+# Per-tile cost of each tiling relative to 128 x 256 (one K pass, the H100 sweep of
+# benchmarks/results/h100/wint_ws.txt: int4 gate_up at 1024 rows, us per round of 132 tiles)
+# and its ring depth: fewer rows of W or x cost less a tile but more a MAC.
+_TILINGS = {WsTiles(128, 256, 4): 1.0, WsTiles(128, 128, 4): 0.72, WsTiles(64, 256, 5): 0.62,
+            WsTiles(64, 128, 8): 0.41}
+WS_MIN_M = 256  # fewer rows: wint_mma.py (its K split fills the SMs; nothing measured here)
+WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured against this kernel)
+
+
+def ws_tiles(m: int, n: int, sms: int) -> WsTiles:
+    """The tiling with the least rounds of tiles over the SMs x per-tile cost (_TILINGS). At M
+    a multiple of 256 that picked the fastest of the four at 31 of 32 Llama-3.1-8B layer x M x
+    format points (results/h100/wint_ws.txt). 64 x 256 only where M is a multiple of 256: with
+    a partial x tile it ran 1.5-1.7x slower than at the next multiple of 256 (cause not found).
+    ``sms``: the device's multiprocessor count."""
+
+    def cost(item: tuple[WsTiles, float]) -> float:
+        tiles, unit = item
+        count = -(-m // tiles.block_m) * -(-n // tiles.block_n)
+        return -(-count // sms) * unit
+
+    usable = [(t, u) for t, u in _TILINGS.items() if m % 256 == 0 or t.block_m != 256
+              or t.block_n != 64]
+    return min(usable, key=cost)[0]
+
+
+def wint_ws_preferred(m: int, n: int, k: int, bits: int, sms: int) -> bool:
+    """Whether this kernel, at ws_tiles, beats wint_mma.py (its default tiles) for the shape,
+    from the H100 sweep (results/h100/wint_ws.txt): at WS_MIN_M <= M <= WS_MAX_M
+    - 8-bit codes: faster at 14 of 16 points (per Llama-3.1-8B layer -10 to -14%), except where
+      M is past a multiple of 256 and wint_mma's 128 x 256 tiles make two or more waves
+      (gate_up at 384 rows: 218 us against 200);
+    - int4: only where wint_mma's 128 x 256 tiles fill less than a wave at K <= 4096 (qkv and
+      o_proj up to 512 rows: up to -19%). Over a wave its per-tile speed equals this kernel's
+      and its narrower tail tiles win; at down_proj's K it splits K, which this kernel does
+      not."""
+    wave_tiles = -(-m // 256) * -(-n // 128)
+    if not WS_MIN_M <= m <= WS_MAX_M:
+        return False
+    if bits == 8:
+        return not (wave_tiles >= 2 * sms and m % 256)
+    return wave_tiles < sms and k <= 4096
+
+
+def _x_layout(dtype):
+    return ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def _w_layout(bits: int):
+    """The words' shared layout: swizzled over a row's bytes (32 for int4, 64 for 8-bit), so
+    that the 8 rows a warp's lanes read at once fall in different banks."""
+    return ttgl.NVMMASharedLayout(swizzle_byte_width=STEP * bits // 8, element_bitwidth=32,
+                                  rank=2)
+
+
+def _constexprs(bits: int, group: int, k: int, tiles: WsTiles, use_pdl: bool) -> dict:
+    step_w = STEP * bits // 32
+    return dict(BITS=bits, GROUP_STEPS=group // STEP if group < k else 0,
+                BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, STEP_W=step_w,
+                NUM_STAGES=tiles.stages,
+                USE_PDL=use_pdl)
+
+
+def smem_bytes(bits: int, tiles: WsTiles, x_bytes: int = 2) -> int:
+    """The ring and its barriers, and the decoded-W buffers (two a consumer warpgroup)."""
+    return (tiles.stages * (tiles.block_m * STEP * x_bytes + tiles.block_n * STEP * bits // 8
+                            + 16) + tiles.consumers * 2 * 64 * STEP * x_bytes)
+
+
+def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,
+                    group: int, tiles: WsTiles | None = None) -> bool:
+    """Whether this kernel takes x [M, K] @ W^T: Gluon importable, CUDA sm_90 (wgmma), 16-bit x
+    with 16-byte aligned rows, contiguous int32 words, symmetric int4 codes in groups of 64 or
+    128 or per channel, or 8-bit codes per channel, K a multiple of 64, the ring within 227 KB."""
+    if not (HAS_GLUON and x.is_cuda and words.is_cuda):
+        return False
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    m, k = x.shape
+    per_channel = group >= k
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+            and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
+            and words.dtype == torch.int32 and words.is_contiguous()
+            and words.data_ptr() % 16 == 0 and k % STEP == 0
+            and (bits == 4 and (per_channel or group in (64, 128) and k % group == 0)
+                 or bits == 8 and per_channel)
+            and scales.stride(1) == 1
+            and smem_bytes(bits, tiles or WsTiles()) <= 227 * 1024)
+
+
+def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,
+                 group: int, out_dtype: torch.dtype | None = None,
+                 tiles: WsTiles | None = None) -> torch.Tensor:
+    """x [M, K] (16-bit) @ dequantized W^T -> [M, N] in ``out_dtype`` (x's by default); W's
+    codes as int32 words [N, K bits / 32], scales [N, K / group] (group >= K: per channel).
+    Tiles: ``ws_tiles``'s unless given."""
+    tiles = tiles or ws_tiles(x.shape[0], words.shape[0], num_sms(x.device))
+    assert wint_ws_applies(x, words, scales, bits, group, tiles), \
+        "wint_ws_gemm does not take these inputs (see wint_ws_applies)"
+    m, k = x.shape
+    n, kw = words.shape
+    step_w = STEP * bits // 32
+    gl_dtype = ttgl.bfloat16 if x.dtype == torch.bfloat16 else ttgl.float16
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [tiles.block_m, STEP],
+                              _x_layout(gl_dtype))
+    w_desc = TensorDescriptor(words, [n, kw], [kw, 1], [tiles.block_n, step_w], _w_layout(bits))
+    # rows padded to 16 elements (aligned stores), as wint_mma_gemm's
+    width = -(-n // 16) * 16
+    out = torch.empty(m, width, device=x.device, dtype=out_dtype or x.dtype)[:, :n]
+    x_tiles = -(-m // tiles.block_m)
+    num_tiles = x_tiles * -(-n // tiles.block_n)
+    launch = pdl(x.device)
+    _wint_ws_kernel[(min(num_tiles, num_sms(x.device)),)](
+        x_desc, w_desc, scales, out, m, n, kw, scales.stride(0), out.stride(0), x_tiles,
+        num_tiles, **_constexprs(bits, group, k, tiles, launch["USE_PDL"]),
+        num_warps=4, maxnreg=_maxnreg(tiles), launch_pdl=launch["launch_pdl"],
+    )  # fmt: skip
+    return out.contiguous()
+
+
+def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
+                 dtype: str = "bf16", use_pdl: bool = True):
+    """The kernel compiled for sm_90 on any host (kiln.kernels._gluon.compile_sm90); M and N
+    unspecialized (any row counts)."""
+    tiles = tiles or WsTiles()
+    step_w = STEP * bits // 32
+    sig = {"x_desc": f"tensordesc<{dtype}[{tiles.block_m}, {STEP}],{_x_layout(None)!r}>",
+           "w_desc": f"tensordesc<i32[{tiles.block_n}, {step_w}],{_w_layout(bits)!r}>",
+           "s_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "KW": "i32",
+           "stride_sn": "i32", "stride_om": "i32", "x_tiles": "i32", "num_tiles": "i32"}
+    return _compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles, use_pdl),
+                         4, unspecialized=("M", "N", "x_tiles", "num_tiles"),
+                         maxnreg=_maxnreg(tiles))
+
+
+def _maxnreg(tiles: WsTiles) -> int:
+    """Registers a thread at launch, before the partitions trade them (setmaxnreg): the
+    register file (64 K) over every warpgroup, the producer's included, rounded down to 8, at
+    most 240."""
+    return min(240, 65536 // ((tiles.consumers + 1) * 128) // 8 * 8)

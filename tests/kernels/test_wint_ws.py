@@ -1,0 +1,157 @@
+"""Persistent warp-specialized weight-only GEMM (kiln/kernels/wint_ws.py, Gluon sm_90): on the
+GPU against float64 math on the dequantized weight (fresh random codes and scales, int4 group
+64 / 128 / per channel and 8-bit per channel, bf16 and fp16 x, M and N that are no multiple of
+a tile); on CPU, its sm_90 compile and what it accepts."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from kernel_testing import assert_rel_close, gpu, needs_triton
+from test_quant_gemm import make_weight, naive
+
+from kiln.kernels import quant_gemm as qg
+from kiln.kernels import wint_ws as ws
+
+SM90_COMPILE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
+                            "sm90_compile.py")
+
+
+def _check(n, k, bits, group, m, dtype=torch.bfloat16, tiles=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    qweight, scales, _, w64 = make_weight(n, k, bits, group, True, gen=gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    expected = naive(x, w64)
+    words = qg._words(qweight, bits).cuda()
+    out = ws.wint_ws_gemm(x.cuda(), words, scales.to(dtype).cuda(), bits,
+                          k if group == -1 else group, tiles=tiles)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_rel_close(out.cpu(), expected, 3e-3, f"W{bits} {n}x{k} g{group} m={m} {tiles}")
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("bits, group", [(4, 128), (4, 64), (4, -1), (8, -1)])
+@pytest.mark.parametrize("n, k, m", [(4096, 4096, 512), (1000, 1024, 300), (6144, 4096, 257)])
+def test_gpu_wint_ws_matches_float64(bits, group, n, k, m):
+    """Ragged N (the last W tile's rows past N are TMA's zeros, not stored) and M (the last x
+    tile's rows likewise), more tiles than SMs (the persistent loop's second pass)."""
+    _check(n, k, bits, group, m)
+
+
+@gpu
+@pytest.mark.parametrize("tiles", [ws.WsTiles(128, 128, 6), ws.WsTiles(64, 256, 4),
+                                   ws.WsTiles(128, 256, 2)])
+@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
+def test_gpu_wint_ws_tiles(bits, group, tiles):
+    """One warpgroup or two, x tiles of 128 or 256 rows, a ring of 2 to 6 stages; K = 14336
+    (down_proj's: 224 steps, the ring wrapping many times a tile)."""
+    _check(2048, 14336, bits, group, 384, tiles=tiles)
+
+
+@gpu
+def test_gpu_wint_ws_fp16_and_repeatable():
+    """fp16 x (the decode's f16 asm), and the same bits on a second run: every sum is in a
+    fixed order whatever the schedule."""
+    first = _check(3000, 2048, 4, 128, 700, dtype=torch.float16, seed=3)
+    second = _check(3000, 2048, 4, 128, 700, dtype=torch.float16, seed=3)
+    assert torch.equal(first, second)
+
+
+def test_wint_ws_tiles_name_what_is_wrong():
+    with pytest.raises(ValueError, match="block_n=96"):
+        ws.WsTiles(block_n=96)
+    with pytest.raises(ValueError, match="block_m=100"):
+        ws.WsTiles(block_m=100)
+    with pytest.raises(ValueError, match="stages=1"):
+        ws.WsTiles(stages=1)
+
+
+def test_wint_ws_applies_only_on_cuda():
+    x = torch.randn(512, 4096, dtype=torch.bfloat16)
+    words = torch.zeros(128, 512, dtype=torch.int32)
+    assert not ws.wint_ws_applies(x, words, torch.ones(128, 32, dtype=torch.bfloat16), 4, 128)
+
+
+@gpu
+def test_gpu_wint_ws_applies_to_formats():
+    """Group 32 (a step holds two groups), 8-bit group-wise scales, K not a multiple of 64 and
+    fp32 x are not taken; the formats above are."""
+    def applies(bits, group, k=4096, dtype=torch.bfloat16):
+        x = torch.randn(512, k, device="cuda").to(dtype)
+        words = torch.zeros(256, k * bits // 32, device="cuda", dtype=torch.int32)
+        scales = torch.ones(256, k // group if group < k else 1, device="cuda", dtype=dtype)
+        return ws.wint_ws_applies(x, words, scales, bits, group)
+    assert applies(4, 128) and applies(4, 64) and applies(4, 4096) and applies(8, 4096)
+    assert not applies(4, 32) and not applies(8, 128) and not applies(4, 96, k=96 * 30)
+    assert not applies(4, 128, dtype=torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits, group, block_m", [(4, 128, 256), (8, 4096, 256), (4, 128, 128)])
+def test_wint_ws_compiles_for_sm90(bits, group, block_m, tmp_path):
+    """The kernel compiles for sm_90 on a CPU host (in a subprocess: this package's conftest
+    turns the interpreter on), warp-specialized (the producer warp gives up registers, the
+    consumers take them), x and words by TMA, and its K loop is what the design says: the
+    decoded weights stored by stmatrix, 4 wgmmas of 64 x block_m x 16 with both operands in
+    shared memory, no local memory (spills stay out of the loop)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, SM90_COMPILE, "wint_ws", "--bits", str(bits),
+                          "--group", str(group), "--block-m", str(block_m),
+                          "--dump", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = (tmp_path / "wint_ws.ptx").read_text()
+    loop = (tmp_path / "k_loop.sass").read_text()
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    assert len(re.findall(rf"HGMMA\.64x{block_m}x16\.F32\.BF16 R\d+, gdesc", loop)) == 4, loop
+    assert "STSM" in loop
+    assert not re.search(r"\b(LDL|STL)\b", loop), loop
+
+
+def test_ws_tiles_least_rounds_times_tile_cost():
+    """On the H100's 132 SMs: gate_up (N = 28672) keeps 128 x 256 tiles; o_proj (N = 4096)
+    takes 64 x 128 at 256 rows (128 tiles, one round), 64 x 256 at 512 rows, but 128 x 128 at
+    384 rows (64 x 256 excluded past a multiple of 256), 128 x 256 at 1024 rows."""
+    assert ws.ws_tiles(512, 28672, 132) == ws.WsTiles(128, 256, 4)
+    assert ws.ws_tiles(256, 4096, 132) == ws.WsTiles(64, 128, 8)
+    assert ws.ws_tiles(512, 4096, 132) == ws.WsTiles(64, 256, 5)
+    assert ws.ws_tiles(384, 4096, 132) == ws.WsTiles(128, 128, 4)
+    assert ws.ws_tiles(1024, 4096, 132) == ws.WsTiles(128, 256, 4)
+
+
+def test_wint_ws_preferred_by_format_and_shape():
+    """8-bit codes from 256 rows, except past a multiple of 256 with two waves or more of
+    128 x 256 tiles; int4 only below a wave at K <= 4096; nothing outside 256..1024 rows."""
+    assert ws.wint_ws_preferred(512, 28672, 4096, 8, 132)
+    assert not ws.wint_ws_preferred(384, 28672, 4096, 8, 132)
+    assert ws.wint_ws_preferred(1024, 4096, 14336, 8, 132)
+    assert ws.wint_ws_preferred(512, 4096, 4096, 4, 132)
+    assert not ws.wint_ws_preferred(512, 28672, 4096, 4, 132)
+    assert not ws.wint_ws_preferred(512, 4096, 14336, 4, 132)
+    assert not ws.wint_ws_preferred(128, 4096, 4096, 8, 132)
+    assert not ws.wint_ws_preferred(2048, 4096, 4096, 8, 132)
+
+
+@gpu
+@pytest.mark.parametrize("bits, group, n, k, m, taken", [
+    (4, 128, 4096, 4096, 512, True), (8, -1, 4096, 14336, 1024, True),
+    (4, 128, 28672, 4096, 512, False), (8, -1, 4096, 4096, 128, False),
+])  # fmt: skip
+def test_gpu_quant_gemm_dispatches_to_wint_ws(monkeypatch, bits, group, n, k, m, taken):
+    """quant_gemm's fused path takes this kernel where wint_ws_preferred says so (8-bit codes
+    at 1024 rows too, past wint_mma's range), and the result matches float64 math."""
+    calls = []
+    real = qg.wint_ws_gemm
+    monkeypatch.setattr(qg, "wint_ws_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(7)
+    qweight, scales, _, w64 = make_weight(n, k, bits, group, True, gen=gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    out = qg.wint_gemm_triton(x.cuda(), qweight.cuda(), scales.to(torch.bfloat16).cuda(), None,
+                              bits, group)
+    assert bool(calls) == taken
+    assert_rel_close(out.cpu(), naive(x, w64), 3e-3, f"W{bits} {n}x{k} m={m}")
