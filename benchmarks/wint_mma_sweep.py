@@ -47,7 +47,7 @@ except ImportError:
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 FORMATS = ((4, 128), (8, 0))  # (bits, group); 0: per channel
-WS_TILES = ((128, 256, 4), (128, 256, 3), (128, 128, 4), (64, 256, 5), (64, 128, 8))
+WS_TILES = ((128, 256, 4), (128, 256, 5), (128, 128, 6), (64, 256, 6), (64, 128, 8))
 
 
 def make_weight(n: int, k: int, bits: int, group: int, gen: torch.Generator):

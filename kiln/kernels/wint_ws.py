@@ -17,12 +17,12 @@ pipe busy 75% of active cycles against cuBLAS's 99%). Here:
   completing a "ready" mbarrier. It runs ahead across tiles, so the next tile's loads overlap
   this tile's epilogue. Rows of x past M and of W past N arrive as zeros (TMA's fill) and their
   outputs are not stored;
-- the default partition's warpgroups (64 rows of W each, ``BLOCK_N // 16`` warps) load words
-  from shared memory in a layout where each thread holds exactly the words of its wgmma A
-  fragment (``_decode_layout``), decode its pair of codes of each word (wint_mma's prmt / lop3 /
-  fma asm) straight into the register operand, and issue an asynchronous wgmma against x in
-  shared memory. A step's wgmma runs while the next step decodes; a stage goes back to the
-  producer ("empty" mbarrier) once the wgmma that read it has finished.
+- one or two consumer warpgroups (64 rows of W each, each its own partition) load words from
+  shared memory in a layout where each thread holds exactly the words of its wgmma A fragment
+  (``_decode_layout``), decode its pair of codes of each word (wint_mma's prmt / lop3 / fma asm)
+  straight into the register operand, multiply by x in shared memory and release the stage
+  ("empty" mbarrier, one arrival a warpgroup). Each waits for its own wgmma before decoding
+  the next step (see _consume); the other warpgroup's decode fills that time.
 
 Group scales (64 or 128 codes) multiply the decoded weights (rounded to x's dtype, as the
 dequantized reference's); per-channel scales multiply the accumulator once at the end.
@@ -147,15 +147,15 @@ def _decode(words, BITS: ttgl.constexpr, L4: ttgl.constexpr, A: ttgl.constexpr,
 
 
 # Every partition takes the same arguments (worker partitions share one signature): the TMA
-# descriptors, the shared buffers and barriers (x and words rings, decoded-W buffers, ready,
-# empty), the pointers and sizes as tuples, then the constexprs.
+# descriptors, the shared buffers and barriers (x and words rings, ready, empty), the pointers
+# and sizes as tuples, then the constexprs.
 @jit
 def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
              NUM_STAGES: ttgl.constexpr, USE_PDL: ttgl.constexpr):
     """The producer warp: every tile's K steps, x and words by TMA into the ring."""
     x_desc, w_desc = descs
-    x_bufs, w_bufs, a_bufs, ready, empty = smem
+    x_bufs, w_bufs, ready, empty = smem
     M, N, KW, stride_sn, stride_om, x_tiles, num_tiles = sizes
     if USE_PDL:  # x is the previous kernel's output; nothing here is stored before this
         gdc(True)
@@ -180,12 +180,14 @@ def _consume(smem, ptrs, sizes, WG: ttgl.constexpr, BITS: ttgl.constexpr,
              GROUP_STEPS: ttgl.constexpr, BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr,
              STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr):
     """Consumer warpgroup WG: rows WG * 64 .. + 63 of each tile, acc [64, BLOCK_M] over K,
-    then out^T. Each step decodes its words in registers (the layout of wgmma's A fragment),
-    stores them to one of the warpgroup's two decoded-W buffers and multiplies from there by
-    an asynchronous wgmma, which runs while the next step decodes. (A register A operand
-    cannot stay in flight: the compiler reuses its registers as soon as the wgmma is issued.)
-    Each warpgroup is its own partition and releases a stage by its own arrival."""
-    x_bufs, w_bufs, a_bufs, ready, empty = smem
+    then out^T. Each step decodes its words straight into wgmma's register A operand and waits
+    for its wgmma before the next decode: ptxas reuses an A operand's registers as soon as the
+    wgmma is issued (the wait's deps do not keep them), and a wgmma left in flight over the next
+    decode read overwritten weights (results/h100/wint_ws.txt 1.). Each warpgroup is its own
+    partition and releases a stage by its own arrival, so the two drift apart: one decodes
+    while the other's wgmma runs. (Decoding through shared memory instead, to keep a wgmma in
+    flight, was slower: 2.)"""
+    x_bufs, w_bufs, ready, empty = smem
     s_ptr, out_ptr = ptrs
     M, N, KW, stride_sn, stride_om, x_tiles, num_tiles = sizes
     MMA: ttgl.constexpr = ttgl.NVMMADistributedLayout([3, 0], [4, 1], [16, BLOCK_M, 16])
@@ -211,18 +213,10 @@ def _consume(smem, ptrs, sizes, WG: ttgl.constexpr, BITS: ttgl.constexpr,
             a = _decode(w_bufs.index(stage).slice(WG * 64, 64).load(LW), BITS, L4, A, dt)
             if GROUP_STEPS > 0:
                 a = a * s[:, None]
-            # buffer count % 2 was last read by the wgmma two steps back, which the previous
-            # step's wait retired
-            a_buf = a_bufs.index(WG * 2 + count % 2)
-            a_buf.store(a)
-            fence_async_shared()
-            acc = warpgroup_mma(a_buf, x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
-            # the previous step's wgmma done: its x stage back to the producer
-            acc = warpgroup_mma_wait(1, deps=[acc])
-            mbarrier.arrive(empty.index((count + NUM_STAGES - 1) % NUM_STAGES), pred=step > 0)
+            acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+            acc, a = warpgroup_mma_wait(0, deps=[acc, a])
+            mbarrier.arrive(empty.index(stage))
             count += 1
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index((count + NUM_STAGES - 1) % NUM_STAGES))
         rows = row0 + rows_c
         if GROUP_STEPS == 0:  # per channel
             scale = ttgl.load(s_ptr + ttgl.minimum(rows, N - 1).to(ttgl.int64) * stride_sn)
@@ -260,8 +254,6 @@ def _wint_ws_kernel(
                                          x_desc.layout)
     w_bufs = ttgl.allocate_shared_memory(ttgl.int32, [NUM_STAGES, BLOCK_N, STEP_W],
                                          w_desc.layout)
-    a_bufs = ttgl.allocate_shared_memory(x_desc.dtype, [BLOCK_N // 64 * 2, 64, _STEP],
-                                         x_desc.layout)  # two a consumer warpgroup
     ready = ttgl.allocate_shared_memory(ttgl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = ttgl.allocate_shared_memory(ttgl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in ttgl.static_range(NUM_STAGES):
@@ -269,7 +261,7 @@ def _wint_ws_kernel(
         mbarrier.init(empty.index(i), count=BLOCK_N // 64)  # one arrival a warpgroup
     fence_async_shared()  # the initialized barriers visible to TMA
     descs = (x_desc, w_desc)
-    smem = (x_bufs, w_bufs, a_bufs, ready, empty)
+    smem = (x_bufs, w_bufs, ready, empty)
     ptrs = (s_ptr, out_ptr)
     sizes = (M, N, KW, stride_sn, stride_om, x_tiles, num_tiles)
     if BLOCK_N == 128:
@@ -354,9 +346,9 @@ def _constexprs(bits: int, group: int, k: int, tiles: WsTiles, use_pdl: bool) ->
 
 
 def smem_bytes(bits: int, tiles: WsTiles, x_bytes: int = 2) -> int:
-    """The ring and its barriers, and the decoded-W buffers (two a consumer warpgroup)."""
-    return (tiles.stages * (tiles.block_m * STEP * x_bytes + tiles.block_n * STEP * bits // 8
-                            + 16) + tiles.consumers * 2 * 64 * STEP * x_bytes)
+    """The ring and its barriers."""
+    return tiles.stages * (tiles.block_m * STEP * x_bytes + tiles.block_n * STEP * bits // 8
+                           + 16)
 
 
 def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,

@@ -95,9 +95,10 @@ def test_gpu_wint_ws_applies_to_formats():
 def test_wint_ws_compiles_for_sm90(bits, group, block_m, tmp_path):
     """The kernel compiles for sm_90 on a CPU host (in a subprocess: this package's conftest
     turns the interpreter on), warp-specialized (the producer warp gives up registers, the
-    consumers take them), x and words by TMA, and its K loop is what the design says: the
-    decoded weights stored by stmatrix, 4 wgmmas of 64 x block_m x 16 with both operands in
-    shared memory, no local memory (spills stay out of the loop)."""
+    consumers take them), x and words by TMA, and its K loop is what the design says: 4
+    wgmmas of 64 x block_m x 16 with the decoded weights in registers, waited for before the
+    next decode (no wgmma left in flight over the registers it reads), no local memory (spills
+    stay out of the loop)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, SM90_COMPILE, "wint_ws", "--bits", str(bits),
                           "--group", str(group), "--block-m", str(block_m),
@@ -108,8 +109,8 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_m, tmp_path):
     loop = (tmp_path / "k_loop.sass").read_text()
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "cp.async.bulk.tensor" in ptx
-    assert len(re.findall(rf"HGMMA\.64x{block_m}x16\.F32\.BF16 R\d+, gdesc", loop)) == 4, loop
-    assert "STSM" in loop
+    assert len(re.findall(rf"HGMMA\.64x{block_m}x16\.F32\.BF16 R\d+, R\d+", loop)) == 4, loop
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop, loop
     assert not re.search(r"\b(LDL|STL)\b", loop), loop
 
 
