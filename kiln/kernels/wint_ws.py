@@ -282,21 +282,21 @@ def _wint_ws_kernel(
         ], [1], [PRODUCER_REGS])
 
 
-# Per-tile cost of each tiling relative to 128 x 256 (one K pass, the H100 sweep of
-# benchmarks/results/h100/wint_ws.txt: int4 gate_up at 1024 rows, us per round of 132 tiles)
-# and its ring depth: fewer rows of W or x cost less a tile but more a MAC.
-_TILINGS = {WsTiles(128, 256, 4): 1.0, WsTiles(128, 128, 4): 0.72, WsTiles(64, 256, 5): 0.62,
-            WsTiles(64, 128, 8): 0.41}
+# Per-tile cost of each tiling relative to 128 x 256 (one K pass; int4 gate_up at 1024 rows in
+# the H100 sweep of benchmarks/results/h100/wint_ws.txt 3., us per round of 132 tiles) and its
+# ring depth (the fastest of the sweep's): fewer rows of W or x cost less a tile, more a MAC.
+_TILINGS = {WsTiles(128, 256, 5): 1.0, WsTiles(128, 128, 6): 0.62, WsTiles(64, 256, 6): 0.71,
+            WsTiles(64, 128, 8): 0.45}
 WS_MIN_M = 256  # fewer rows: wint_mma.py (its K split fills the SMs; nothing measured here)
 WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured against this kernel)
 
 
 def ws_tiles(m: int, n: int, sms: int) -> WsTiles:
-    """The tiling with the least rounds of tiles over the SMs x per-tile cost (_TILINGS). At M
-    a multiple of 256 that picked the fastest of the four at 31 of 32 Llama-3.1-8B layer x M x
-    format points (results/h100/wint_ws.txt). 64 x 256 only where M is a multiple of 256: with
-    a partial x tile it ran 1.5-1.7x slower than at the next multiple of 256 (cause not found).
-    ``sms``: the device's multiprocessor count."""
+    """The tiling with the least rounds of tiles over the SMs x per-tile cost (_TILINGS). Over
+    the sweep's 32 Llama-3.1-8B layer x M x format points it picks tiles within 5% of the
+    fastest of the five timed (results/h100/wint_ws.txt 3.). 64 x 256 only where M is a
+    multiple of 256: with a partial x tile it ran 1.5-1.7x slower than at the next multiple of
+    256 (cause not found). ``sms``: the device's multiprocessor count."""
 
     def cost(item: tuple[WsTiles, float]) -> float:
         tiles, unit = item
@@ -310,20 +310,19 @@ def ws_tiles(m: int, n: int, sms: int) -> WsTiles:
 
 def wint_ws_preferred(m: int, n: int, k: int, bits: int, sms: int) -> bool:
     """Whether this kernel, at ws_tiles, beats wint_mma.py (its default tiles) for the shape,
-    from the H100 sweep (results/h100/wint_ws.txt): at WS_MIN_M <= M <= WS_MAX_M
-    - 8-bit codes: faster at 14 of 16 points (per Llama-3.1-8B layer -10 to -14%), except where
-      M is past a multiple of 256 and wint_mma's 128 x 256 tiles make two or more waves
-      (gate_up at 384 rows: 218 us against 200);
-    - int4: only where wint_mma's 128 x 256 tiles fill less than a wave at K <= 4096 (qkv and
-      o_proj up to 512 rows: up to -19%). Over a wave its per-tile speed equals this kernel's
-      and its narrower tail tiles win; at down_proj's K it splits K, which this kernel does
-      not."""
-    wave_tiles = -(-m // 256) * -(-n // 128)
+    from the H100 sweep (results/h100/wint_ws.txt 3.): at WS_MIN_M <= M <= WS_MAX_M
+    - 8-bit codes: always (per Llama-3.1-8B layer 269 -> 237 us at 256 rows, 444 -> 396 at
+      512, 855 -> 689 at 1024; down_proj at 256 rows the one point 2% slower);
+    - int4: where wint_mma's 128 x 256 tiles fill less than a wave at K <= 4096 (qkv and o_proj
+      up to 512 rows), or make four waves or more of whole x tiles (gate_up at 1024 rows: 404
+      -> 378 us). In between, wint_mma's narrower tail tiles match or beat this kernel, and at
+      down_proj's K it splits K, which this kernel does not."""
     if not WS_MIN_M <= m <= WS_MAX_M:
         return False
     if bits == 8:
-        return not (wave_tiles >= 2 * sms and m % 256)
-    return wave_tiles < sms and k <= 4096
+        return True
+    wave_tiles = -(-m // 256) * -(-n // 128)
+    return wave_tiles < sms and k <= 4096 or m % 256 == 0 and wave_tiles >= 4 * sms
 
 
 def _x_layout(dtype):

@@ -115,24 +115,30 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_m, tmp_path):
 
 
 def test_ws_tiles_least_rounds_times_tile_cost():
-    """On the H100's 132 SMs: gate_up (N = 28672) keeps 128 x 256 tiles; o_proj (N = 4096)
-    takes 64 x 128 at 256 rows (128 tiles, one round), 64 x 256 at 512 rows, but 128 x 128 at
-    384 rows (64 x 256 excluded past a multiple of 256), 128 x 256 at 1024 rows."""
-    assert ws.ws_tiles(512, 28672, 132) == ws.WsTiles(128, 256, 4)
+    """On the H100's 132 SMs: gate_up (N = 28672) keeps 128 x 256 tiles at 512 rows; o_proj
+    (N = 4096) takes 64 x 128 at 256 rows (128 tiles, one round), 128 x 128 at 384 and 512
+    rows, 128 x 256 at 1024; at 1024 rows qkv (N = 6144) takes 128 x 128 (384 tiles, 3 rounds
+    at 0.62 against 192 in 2 at 1.0)."""
+    assert ws.ws_tiles(512, 28672, 132) == ws.WsTiles(128, 256, 5)
     assert ws.ws_tiles(256, 4096, 132) == ws.WsTiles(64, 128, 8)
-    assert ws.ws_tiles(512, 4096, 132) == ws.WsTiles(64, 256, 5)
-    assert ws.ws_tiles(384, 4096, 132) == ws.WsTiles(128, 128, 4)
-    assert ws.ws_tiles(1024, 4096, 132) == ws.WsTiles(128, 256, 4)
+    assert ws.ws_tiles(384, 4096, 132) == ws.WsTiles(128, 128, 6)
+    assert ws.ws_tiles(512, 4096, 132) == ws.WsTiles(128, 128, 6)
+    assert ws.ws_tiles(1024, 4096, 132) == ws.WsTiles(128, 256, 5)
+    assert ws.ws_tiles(1024, 6144, 132) == ws.WsTiles(128, 128, 6)
+    # equal rounds: the cheaper tile (100 SMs, 96 tiles of 128 x 128 or of 64 x 256)
+    assert ws.ws_tiles(256, 6144, 100) == ws.WsTiles(128, 128, 6)
 
 
 def test_wint_ws_preferred_by_format_and_shape():
-    """8-bit codes from 256 rows, except past a multiple of 256 with two waves or more of
-    128 x 256 tiles; int4 only below a wave at K <= 4096; nothing outside 256..1024 rows."""
+    """8-bit codes from 256 to 1024 rows; int4 below a wave at K <= 4096 or from four waves of
+    whole 256-row x tiles; nothing outside 256..1024 rows."""
     assert ws.wint_ws_preferred(512, 28672, 4096, 8, 132)
-    assert not ws.wint_ws_preferred(384, 28672, 4096, 8, 132)
-    assert ws.wint_ws_preferred(1024, 4096, 14336, 8, 132)
+    assert ws.wint_ws_preferred(384, 28672, 4096, 8, 132)
+    assert ws.wint_ws_preferred(256, 4096, 14336, 8, 132)
     assert ws.wint_ws_preferred(512, 4096, 4096, 4, 132)
+    assert ws.wint_ws_preferred(1024, 28672, 4096, 4, 132)
     assert not ws.wint_ws_preferred(512, 28672, 4096, 4, 132)
+    assert not ws.wint_ws_preferred(1000, 28672, 4096, 4, 132)
     assert not ws.wint_ws_preferred(512, 4096, 14336, 4, 132)
     assert not ws.wint_ws_preferred(128, 4096, 4096, 8, 132)
     assert not ws.wint_ws_preferred(2048, 4096, 4096, 8, 132)
@@ -141,7 +147,7 @@ def test_wint_ws_preferred_by_format_and_shape():
 @gpu
 @pytest.mark.parametrize("bits, group, n, k, m, taken", [
     (4, 128, 4096, 4096, 512, True), (8, -1, 4096, 14336, 1024, True),
-    (4, 128, 28672, 4096, 512, False), (8, -1, 4096, 4096, 128, False),
+    (4, 128, 6144, 4096, 1024, False), (8, -1, 4096, 4096, 128, False),
 ])  # fmt: skip
 def test_gpu_quant_gemm_dispatches_to_wint_ws(monkeypatch, bits, group, n, k, m, taken):
     """quant_gemm's fused path takes this kernel where wint_ws_preferred says so (8-bit codes
