@@ -77,10 +77,11 @@ def _heldout_workload(num: int, seed: int):
 
 def _engine_outputs(path, backend: str, prompts, params, dtype: str = "bfloat16",
                     **options) -> list:
-    """Every request's RequestOutput, in request order, from a fresh CUDA engine."""
+    """Every request's RequestOutput, in request order, from a fresh CUDA engine (96 tokens a
+    step unless ``max_num_batched_tokens`` says otherwise)."""
+    options.setdefault("max_num_batched_tokens", 96)
     engine = LLMEngine.from_kwargs(str(path), dtype=dtype, device="cuda",
-                                   attention_backend=backend, num_kv_blocks=4096,
-                                   max_num_batched_tokens=96, **options)
+                                   attention_backend=backend, num_kv_blocks=4096, **options)
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), p, sp)
     done = {o.request_id: o for o in engine.run_to_completion()}
@@ -325,6 +326,28 @@ def test_programmatic_dependent_launch_changes_no_token(quantization, monkeypatc
         monkeypatch.setenv("KILN_PDL", flag)
         runs.append(_engine_tokens("kiln-tiny", "triton", prompts, params,
                                    quantization=quantization))
+    assert runs[0] == runs[1]
+
+
+def test_int8_decode_past_256_rows_through_wint_ws_changes_no_token_with_pdl(monkeypatch):
+    """300 requests decoding together: W8A16's GEMMs at 256+ rows run the persistent Gluon
+    kernel (kiln/kernels/wint_ws.py: its TMA descriptors baked into the CUDA graphs, its
+    producer warp the only one that waits for the previous kernel). The tokens with and
+    without PDL are identical, and that kernel ran."""
+    from kiln.kernels import quant_gemm
+
+    calls = []
+    real = quant_gemm.wint_ws_gemm
+    monkeypatch.setattr(quant_gemm, "wint_ws_gemm",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prompts, params = _heldout_workload(300, seed=5)
+    params = [kiln.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 300
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("KILN_PDL", flag)
+        runs.append(_engine_tokens("kiln-tiny", "triton", prompts, params, quantization="int8",
+                                   max_num_seqs=512, max_num_batched_tokens=2048))
+    assert calls
     assert runs[0] == runs[1]
 
 
