@@ -354,7 +354,8 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                     group: int, tiles: WsTiles | None = None) -> bool:
     """Whether this kernel takes x [M, K] @ W^T: Gluon importable, CUDA sm_90 (wgmma), 16-bit x
     with 16-byte aligned rows, contiguous int32 words, symmetric int4 codes in groups of 64 or
-    128 or per channel, or 8-bit codes per channel, K a multiple of 64, the ring within 227 KB."""
+    128 or per channel, or 8-bit codes per channel, K a multiple of 64, scales in x's dtype
+    (the decoded weights are multiplied in it), the ring within 227 KB."""
     if not (HAS_GLUON and x.is_cuda and words.is_cuda):
         return False
     if torch.cuda.get_device_capability(x.device) != (9, 0):
@@ -367,7 +368,7 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
             and words.data_ptr() % 16 == 0 and k % STEP == 0
             and (bits == 4 and (per_channel or group in (64, 128) and k % group == 0)
                  or bits == 8 and per_channel)
-            and scales.stride(1) == 1
+            and scales.stride(1) == 1 and scales.dtype == x.dtype
             and smem_bytes(bits, tiles or WsTiles()) <= 227 * 1024)
 
 

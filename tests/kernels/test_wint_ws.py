@@ -78,16 +78,18 @@ def test_wint_ws_applies_only_on_cuda():
 
 @gpu
 def test_gpu_wint_ws_applies_to_formats():
-    """Group 32 (a step holds two groups), 8-bit group-wise scales, K not a multiple of 64 and
-    fp32 x are not taken; the formats above are."""
-    def applies(bits, group, k=4096, dtype=torch.bfloat16):
+    """Group 32 (a step holds two groups), 8-bit group-wise scales, K not a multiple of 64,
+    fp32 x and scales in another dtype than x's are not taken; the formats above are."""
+    def applies(bits, group, k=4096, dtype=torch.bfloat16, scale_dtype=None):
         x = torch.randn(512, k, device="cuda").to(dtype)
         words = torch.zeros(256, k * bits // 32, device="cuda", dtype=torch.int32)
-        scales = torch.ones(256, k // group if group < k else 1, device="cuda", dtype=dtype)
+        scales = torch.ones(256, k // group if group < k else 1, device="cuda",
+                            dtype=scale_dtype or dtype)
         return ws.wint_ws_applies(x, words, scales, bits, group)
     assert applies(4, 128) and applies(4, 64) and applies(4, 4096) and applies(8, 4096)
     assert not applies(4, 32) and not applies(8, 128) and not applies(4, 96, k=96 * 30)
     assert not applies(4, 128, dtype=torch.float32)
+    assert not applies(4, 128, scale_dtype=torch.float32)
 
 
 @needs_triton
