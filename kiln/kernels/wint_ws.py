@@ -70,7 +70,7 @@ class WsTiles:
 
     block_n: int = 128
     block_m: int = 256
-    stages: int = 4
+    stages: int = 5
 
     def __post_init__(self):
         if self.block_n not in (64, 128):
@@ -325,7 +325,8 @@ def wint_ws_preferred(m: int, n: int, k: int, bits: int, sms: int) -> bool:
     return wave_tiles < sms and k <= 4096 or m % 256 == 0 and wave_tiles >= 4 * sms
 
 
-def _x_layout(dtype):
+def _x_layout():
+    """x's shared layout (and the TMA box's): 64 16-bit values a row, the 128-byte swizzle."""
     return ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
@@ -369,7 +370,8 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
             and (bits == 4 and (per_channel or group in (64, 128) and k % group == 0)
                  or bits == 8 and per_channel)
             and scales.stride(1) == 1 and scales.dtype == x.dtype
-            and smem_bytes(bits, tiles or WsTiles()) <= 227 * 1024)
+            and smem_bytes(bits, tiles or ws_tiles(m, words.shape[0], num_sms(x.device)))
+            <= 227 * 1024)
 
 
 def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -384,9 +386,7 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
     m, k = x.shape
     n, kw = words.shape
     step_w = STEP * bits // 32
-    gl_dtype = ttgl.bfloat16 if x.dtype == torch.bfloat16 else ttgl.float16
-    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [tiles.block_m, STEP],
-                              _x_layout(gl_dtype))
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [tiles.block_m, STEP], _x_layout())
     w_desc = TensorDescriptor(words, [n, kw], [kw, 1], [tiles.block_n, step_w], _w_layout(bits))
     # rows padded to 16 elements (aligned stores), as wint_mma_gemm's
     width = -(-n // 16) * 16
@@ -408,7 +408,7 @@ def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
     unspecialized (any row counts)."""
     tiles = tiles or WsTiles()
     step_w = STEP * bits // 32
-    sig = {"x_desc": f"tensordesc<{dtype}[{tiles.block_m}, {STEP}],{_x_layout(None)!r}>",
+    sig = {"x_desc": f"tensordesc<{dtype}[{tiles.block_m}, {STEP}],{_x_layout()!r}>",
            "w_desc": f"tensordesc<i32[{tiles.block_n}, {step_w}],{_w_layout(bits)!r}>",
            "s_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "KW": "i32",
            "stride_sn": "i32", "stride_om": "i32", "x_tiles": "i32", "num_tiles": "i32"}
