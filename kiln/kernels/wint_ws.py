@@ -117,8 +117,8 @@ def _decode_layout(bits):
 @jit
 def _decode(words, BITS: ttgl.constexpr, L4: ttgl.constexpr, A: ttgl.constexpr,
             dtype: ttgl.constexpr):
-    """words [BLOCK_N, STEP_W] (layout: L4 without its last two axes) -> the codes less
-    2^(BITS - 1), [BLOCK_N, _STEP] in dtype and layout A: each thread decodes only the pairs of
+    """A warpgroup's words [64, STEP_W] (layout: L4 without its last two axes) -> the codes
+    less 2^(BITS - 1), [64, _STEP] in dtype and layout A: each thread decodes only the pairs of
     its own fragment."""
     P: ttgl.constexpr = 16 // BITS
     pair = ttgl.arange(0, P, layout=axis_layout(L4, 2))
