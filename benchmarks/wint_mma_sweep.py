@@ -127,6 +127,8 @@ def main() -> None:
                         help="time wint_mma_tiles' picks only (and bf16)")
     parser.add_argument("--ws", action="store_true", help="also time wint_ws at WS_TILES")
     args = parser.parse_args()
+    if args.ws and ws is None:
+        parser.error("--ws: this tree's kiln has no kiln/kernels/wint_ws.py")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():

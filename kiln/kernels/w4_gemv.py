@@ -47,8 +47,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.kernels import _gluon
 from kiln.kernels._gluon import (
     HAS_GLUON,
+    TensorDescriptor,
     async_copy,
     axis_layout,
     cp_async,
@@ -60,10 +62,6 @@ from kiln.kernels._gluon import (
     memdesc_reinterpret,
     tma_load,
     ttgl,
-)
-from kiln.kernels._gluon import TensorDescriptor as GluonTensorDescriptor
-from kiln.kernels._gluon import (
-    compile_sm90 as _compile_sm90,
 )
 from kiln.kernels._triton import next_power_of_2, pdl, use_triton
 
@@ -424,7 +422,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
         out = torch.empty(p.split, m, n, device=x.device, dtype=torch.float32)
     else:
         out = torch.empty(m, n, device=x.device, dtype=out_dtype)
-    desc = GluonTensorDescriptor(words, [n, kw], [kw, 1], [cfg.block_n, cfg.chunk_kw],
+    desc = TensorDescriptor(words, [n, kw], [kw, 1], [cfg.block_n, cfg.chunk_kw],
                                  _word_layout())
     launch = pdl(x.device)
     grid = (m, -(-n // cfg.block_n), p.split)
@@ -450,4 +448,4 @@ def compile_sm90(config: W4GemvConfig, k: int, out_dtype: str = "bf16", use_pdl:
            "N": "i32", "K": "i32", "stride_xm": "i32", "stride_sn": "i32", "stride_om": "i32",
            "stride_os": "i32"}
     consts = _constexprs(config, k, p.num_steps, p.split, use_pdl, load_only)
-    return _compile_sm90(_w4_gemv_kernel, sig, consts, config.num_warps, unspecialized=("N",))
+    return _gluon.compile_sm90(_w4_gemv_kernel, sig, consts, config.num_warps, unspecialized=("N",))

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.kernels import _gluon
 from kiln.kernels._gluon import (
     HAS_GLUON,
     TensorDescriptor,
@@ -48,9 +49,6 @@ from kiln.kernels._gluon import (
     ttgl,
     warpgroup_mma,
     warpgroup_mma_wait,
-)
-from kiln.kernels._gluon import (
-    compile_sm90 as _compile_sm90,
 )
 from kiln.kernels._triton import num_sms, pdl
 from kiln.kernels.wint_mma import DECODE4_BF16, DECODE4_F16, DECODE8_BF16, DECODE8_F16
@@ -345,9 +343,9 @@ def _constexprs(bits: int, group: int, k: int, tiles: WsTiles, use_pdl: bool) ->
                 USE_PDL=use_pdl)
 
 
-def smem_bytes(bits: int, tiles: WsTiles, x_bytes: int = 2) -> int:
+def smem_bytes(bits: int, tiles: WsTiles) -> int:
     """The ring and its barriers."""
-    return tiles.stages * (tiles.block_m * STEP * x_bytes + tiles.block_n * STEP * bits // 8
+    return tiles.stages * (tiles.block_m * STEP * 2 + tiles.block_n * STEP * bits // 8
                            + 16)
 
 
@@ -412,7 +410,7 @@ def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
            "w_desc": f"tensordesc<i32[{tiles.block_n}, {step_w}],{_w_layout(bits)!r}>",
            "s_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "KW": "i32",
            "stride_sn": "i32", "stride_om": "i32", "x_tiles": "i32", "num_tiles": "i32"}
-    return _compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles, use_pdl),
+    return _gluon.compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles, use_pdl),
                          4, unspecialized=("M", "N", "x_tiles", "num_tiles"),
                          maxnreg=_maxnreg(tiles))
 
