@@ -267,15 +267,18 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
     - 8-bit codes, lighter to decode: 128 rows of W in 4 warps against 64-row x tiles, and as
       int4 against 128- and 256-row ones, with 4 stages (M = 128: 180 us a layer against 189
       with 3; M = 256: 271 against 320 in two 128-row x tiles).
-    K split by _split."""
+    K split by _split. Eight warps against a ragged x tile (M not a multiple of block_m, its
+    x loads masked) take 2 stages: with 3 or 4, Triton 3.6's kernel returned wrong results
+    that changed from run to run on the H100 (8-bit codes into float32 at 65-127 rows, the LM
+    head's case, relative error 0.16-0.22; int4 at 40 rows, NaN; results/h100/
+    wint_mma_ragged_race.txt). Cause not found; 2 stages were right at every shape tried."""
     block_m = min(MMA_X_TILE_MAX, max(16, 1 << (m - 1).bit_length()))
     k_step = group if group < k else _per_channel_step(k)
     if block_m <= 32:
         return MmaTiles(64, 0, block_m, k_step=k_step)
-    if bits == 4:
-        return MmaTiles(128, 0, block_m, num_warps=8, k_step=k_step)
-    if block_m >= 128:
-        return MmaTiles(128, 0, block_m, num_warps=8, num_stages=4, k_step=k_step)
+    stages = 2 if m % block_m else 4 if bits == 8 and block_m >= 128 else 3
+    if bits == 4 or block_m >= 128:
+        return MmaTiles(128, 0, block_m, num_warps=8, num_stages=stages, k_step=k_step)
     return MmaTiles(128, 0, block_m, k_step=k_step)
 
 

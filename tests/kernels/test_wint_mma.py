@@ -255,12 +255,37 @@ def test_wint_mma_head_rows_on_132_sms(monkeypatch):
 
 def test_wint_mma_tiles_past_one_x_tile():
     """Past MMA_X_TILE_MAX rows x is cut into 256-row tiles: int4 and 8-bit codes both take 128
-    rows of W in 8 warps there (8-bit codes with 4 stages)."""
+    rows of W in 8 warps there (8-bit codes with 4 stages where every x tile is full, 2 where
+    the last is ragged)."""
     cpu = torch.device("cpu")
     int4 = mma.wint_mma_tiles(700, 28672, 4096, 128, 4, cpu)
-    w8 = mma.wint_mma_tiles(300, 28672, 4096, 4096, 8, cpu)
-    assert (int4.block_n, int4.block_m, int4.num_warps) == (128, mma.MMA_X_TILE_MAX, 8)
+    w8 = mma.wint_mma_tiles(512, 28672, 4096, 4096, 8, cpu)
+    assert (int4.block_n, int4.block_m, int4.num_warps, int4.num_stages) == (
+        128, mma.MMA_X_TILE_MAX, 8, 2)
     assert (w8.block_n, w8.block_m, w8.num_warps, w8.num_stages) == (128, 256, 8, 4)
+    assert mma.wint_mma_tiles(300, 28672, 4096, 4096, 8, cpu).num_stages == 2
+    assert mma.wint_mma_tiles(100, 4096, 4096, 128, 4, cpu).num_stages == 2
+    assert mma.wint_mma_tiles(128, 4096, 4096, 128, 4, cpu).num_stages == 3
+
+
+@gpu
+@pytest.mark.parametrize("bits, group, n, k, m, out_dtype", [
+    (8, -1, 28672, 4096, 100, torch.float32), (8, -1, 8192, 128, 65, torch.float32),
+    (4, 128, 28672, 4096, 40, torch.float32), (4, 128, 8192, 128, 200, torch.bfloat16),
+])  # fmt: skip
+def test_gpu_wint_mma_ragged_x_tiles_repeat_exactly(bits, group, n, k, m, out_dtype):
+    """Eight warps against a ragged x tile: with 3-4 stages these returned wrong results that
+    differed from run to run (an LM head's float32 logits at 65-127 rows, int4 NaNs at 40
+    rows, kiln-tiny's K = 128); the default tiles give the float64 result, bit for bit again."""
+    gen = torch.Generator().manual_seed(m)
+    qweight, scales, _, w64 = make_weight(n, k, bits, group, True, gen=gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    words, s, xc = qg._words(qweight, bits).cuda(), scales.to(torch.bfloat16).cuda(), x.cuda()
+    g = k if group == -1 else group
+    assert mma.wint_mma_tiles(m, n, k, g, bits, xc.device).num_warps == 8
+    runs = [mma.wint_mma_gemm(xc, words, s, bits, g, out_dtype=out_dtype) for _ in range(4)]
+    assert_rel_close(runs[0].cpu(), naive(x, w64), 2e-2, f"W{bits} {n}x{k} m={m}")
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
 @gpu
