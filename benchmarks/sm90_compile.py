@@ -42,7 +42,8 @@ from kiln.kernels import gemm, wint_mma, wint_ws  # noqa: E402
 def wint_mma_variant(a: argparse.Namespace) -> tuple:
     """_wint_mma_kernel's signature and constants for the options (bf16 x)."""
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "smooth_ptr": "*bf16",
-           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+           "out_ptr": "*fp32" if a.out_fp32 else "*bf16", "part_ptr": "*fp32",
+           "count_ptr": "*i32"}
     consts = dict(BITS=a.bits, STEP_W=a.k_step * a.bits // 32, GROUPED=not a.per_channel,
                   HAS_SMOOTH=False, SPLIT=a.split, ASM=True, BLOCK_N=a.block_n,
                   BLOCK_M=a.block_m, EVEN_M=not a.ragged_m, USE_PDL=False)
@@ -97,6 +98,58 @@ def k_loop(sass: str) -> list[str]:
                       "\n".join(k_loop_lines(sass)), re.M)
 
 
+_NO_REGISTER_WRITE = ("ST", "SYNCS.ARRIVE", "BAR", "BRA", "WARPGROUP", "NOP", "RED", "EXIT",
+                      "CCTL", "FENCE", "MEMBAR", "UTMA", "ISETP", "PLOP3", "UISETP", "ULDC")
+
+
+def _instructions(lines: list[str]) -> list[tuple[str, list[str], str]]:
+    """(opcode, operands, text) of each SASS instruction line, predicates dropped."""
+    out = []
+    for line in lines:
+        m = re.search(r"/\*[0-9a-f]+\*/\s+(.*?)\s*;", line)
+        if m:
+            text = m.group(1)
+            op, _, rest = re.sub(r"^@!?U?P\w+\s+", "", text).partition(" ")
+            out.append((op, [o.strip() for o in rest.split(",")], text))
+    return out
+
+
+def _registers(token: str, width: int) -> set[int]:
+    m = re.match(r"R(\d+)", token)
+    return set(range(int(m.group(1)), int(m.group(1)) + width)) if m else set()
+
+
+def wgmma_hazards(lines: list[str], cyclic: bool) -> list[str]:
+    """Instructions that touch the registers of a wgmma still in flight: that write its
+    register A operand (4 registers an HGMMA) or read or write its accumulator, between the
+    HGMMA and the WARPGROUP.DEPBAR that retires its group. ptxas does not always prevent
+    either (wint_ws.py's _hold and _step say where it did not). ``lines`` in address order;
+    ``cyclic``: a loop body, scanned twice so its back edge is followed. Branches are not
+    followed otherwise: a straight-line read of the code, for checking, not a proof."""
+    pending: list[set[int]] = []  # per committed group: A and accumulator registers
+    current: set[int] = set()
+    found = []
+    instructions = _instructions(lines)
+    for rnd in range(2 if cyclic else 1):
+        for op, ops, text in instructions:
+            if op.startswith("HGMMA"):
+                n = int(re.match(r"HGMMA\.64x(\d+)", op).group(1))
+                current |= _registers(ops[1], 4) | _registers(ops[0], n // 2)
+                if ops[-1] == "gsb0":
+                    pending.append(current)
+                    current = set()
+                continue
+            if op.startswith("WARPGROUP.DEPBAR"):
+                del pending[:max(0, len(pending) - int(ops[-1], 16))]
+                continue
+            busy = set().union(*pending)
+            touched = {r for o in ops for r in _registers(o, 1)} if not op.startswith(
+                _NO_REGISTER_WRITE) else set()
+            if busy and touched & busy and (rnd == 1 or not cyclic):
+                found.append(text)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kernel", choices=["wint_mma", "gemm", "wint_ws"])
@@ -112,7 +165,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--split", type=int, default=1, help="wint_mma: programs sharing K")
-    for flag in ("per-channel", "ragged-m", "fp8", "pdl"):
+    for flag in ("per-channel", "ragged-m", "fp8", "pdl", "out-fp32"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
     parser.add_argument("--unspecialized", default="M",
@@ -156,6 +209,8 @@ def report(a: argparse.Namespace, kernel, registers: int, spill_bytes: int, sass
                   k_loop_loads={op: n for op, n in loop.items()
                                 if op in ("LDG", "LDGSTS", "UTMALDG", "LDS", "LDL")},
                   k_loop_wgmmas=loop["HGMMA"], l2_prefetches=len(re.findall(r"CCTL\.E\.PF2", sass)),
+                  wgmma_hazards=wgmma_hazards(k_loop_lines(sass), True)
+                  + wgmma_hazards(sass.splitlines(), False),
                   k_loop_l2_prefetches=loop["CCTL"])
     print(json.dumps(report))
     if a.dump:
