@@ -17,12 +17,12 @@ pipe busy 75% of active cycles against cuBLAS's 99%). Here:
   completing a "ready" mbarrier. It runs ahead across tiles, so the next tile's loads overlap
   this tile's epilogue. Rows of x past M and of W past N arrive as zeros (TMA's fill) and their
   outputs are not stored;
-- one or two consumer warpgroups (64 rows of W each, each its own partition) load words from
-  shared memory in a layout where each thread holds exactly the words of its wgmma A fragment
+- one or two consumer warpgroups (64 rows of W each, one partition) load words from shared
+  memory in a layout where each thread holds exactly the words of its wgmma A fragment
   (``_decode_layout``), decode its pair of codes of each word (wint_mma's prmt / lop3 / fma asm)
   straight into the register operand, multiply by x in shared memory and release the stage
-  ("empty" mbarrier, one arrival a warpgroup). Each waits for its own wgmma before decoding
-  the next step (see _consume); the other warpgroup's decode fills that time.
+  ("empty" mbarrier) once that wgmma is done. Each step's wgmma runs while the next step
+  decodes (see _consume for what that takes from ptxas).
 
 Group scales (64 or 128 codes) multiply the decoded weights (rounded to x's dtype, as the
 dequantized reference's); per-channel scales multiply the accumulator once at the end.
@@ -42,7 +42,6 @@ from kiln.kernels._gluon import (
     axis_layout,
     constexpr_function,
     fence_async_shared,
-    gdc,
     jit,
     mbarrier,
     tma_load,
@@ -50,15 +49,13 @@ from kiln.kernels._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from kiln.kernels._triton import num_sms, pdl
+from kiln.kernels._triton import num_sms
 from kiln.kernels.wint_mma import DECODE4_BF16, DECODE4_F16, DECODE8_BF16, DECODE8_F16
 
 STEP = 64  # codes of K a step: x boxes 64 16-bit values wide (128 bytes, the widest swizzle)
 _STEP = ttgl.constexpr(STEP) if HAS_GLUON else STEP  # (kernels read constexpr globals only)
-# registers a thread: the producer warp's, and a consumer warpgroup's that is a worker partition
-# (the one in the default partition gets what is left of the launch's maxnreg)
+# registers a thread of the producer warp (the consumers get what is left of the register file)
 PRODUCER_REGS = ttgl.constexpr(24) if HAS_GLUON else 24
-CONSUMER_REGS = ttgl.constexpr(232) if HAS_GLUON else 232
 
 
 @dataclass(frozen=True)
@@ -85,14 +82,14 @@ class WsTiles:
 
 
 @constexpr_function
-def _decode_layout(bits):
-    """[64 rows, words a step, pairs a word, 2] such that the reshape to [64, STEP] is
+def _decode_layout(bits, rows):
+    """[rows, words a step, pairs a word, 2] such that the reshape to [rows, STEP] is
     wgmma's register A layout (DotOperandLayout(0, NVMMA v3, k_width=2)). In that layout a
     thread holds rows r and r + 8 and, per 16 codes of K, codes 2 t, 2 t + 1, 2 t + 8, 2 t + 9
     (t = lane % 4): for int4 (8 codes a word) pair t of every word, for 8-bit codes (4 a word)
     pair t % 2 of every other word. Lanes whose only difference is the pair share their words
     (a broadcast shared-memory load)."""
-    bits = int(bits)  # (a constexpr inside a kernel)
+    bits, rows = int(bits), int(rows)  # (constexprs inside a kernel)
     step_w = STEP * bits // 32
     pairs = 16 // bits
 
@@ -108,16 +105,16 @@ def _decode_layout(bits):
         lane = [basis(p=1), basis(w=1)]
         reg += [basis(w=1 << i) for i in range(1, int(math.log2(step_w)))]
     lane += [basis(n=1), basis(n=2), basis(n=4)]
-    warp = [basis(n=16), basis(n=32)]  # a warpgroup: 4 warps of 16 rows
-    return ttgl.DistributedLinearLayout(reg, lane, warp, [], [64, step_w, pairs, 2])
+    warp = [basis(n=16 << i) for i in range(int(math.log2(rows // 16)))]  # 16 rows a warp
+    return ttgl.DistributedLinearLayout(reg, lane, warp, [], [rows, step_w, pairs, 2])
 
 
 @jit
 def _decode(words, BITS: ttgl.constexpr, L4: ttgl.constexpr, A: ttgl.constexpr,
             dtype: ttgl.constexpr):
-    """A warpgroup's words [64, STEP_W] (layout: L4 without its last two axes) -> the codes
-    less 2^(BITS - 1), [64, _STEP] in dtype and layout A: each thread decodes only the pairs of
-    its own fragment."""
+    """The tile's words [BLOCK_N, STEP_W] (layout: L4 without its last two axes) -> the codes
+    less 2^(BITS - 1), [BLOCK_N, _STEP] in dtype and layout A: each thread decodes only the
+    pairs of its own fragment."""
     P: ttgl.constexpr = 16 // BITS
     pair = ttgl.arange(0, P, layout=axis_layout(L4, 2))
     half = ttgl.arange(0, 2, layout=axis_layout(L4, 3))
@@ -150,14 +147,11 @@ def _decode(words, BITS: ttgl.constexpr, L4: ttgl.constexpr, A: ttgl.constexpr,
 @jit
 def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
-             NUM_STAGES: ttgl.constexpr, USE_PDL: ttgl.constexpr):
+             NUM_STAGES: ttgl.constexpr):
     """The producer warp: every tile's K steps, x and words by TMA into the ring."""
     x_desc, w_desc = descs
     x_bufs, w_bufs, ready, empty = smem
     M, N, KW, stride_sn, stride_om, x_tiles, num_tiles = sizes
-    if USE_PDL:  # x is the previous kernel's output; nothing here is stored before this
-        gdc(True)
-        gdc(False)
     nbytes: ttgl.constexpr = BLOCK_M * _STEP * 2 + BLOCK_N * STEP_W * 4
     count = 0
     for tile in range(ttgl.program_id(0), num_tiles, ttgl.num_programs(0)):
@@ -173,70 +167,104 @@ def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
             count += 1
 
 
+# Holds a wgmma's register operand (8 16-bit values a call) until the program reaches this
+# point: a store ptxas must keep, predicated on M < 0, which never holds (M >= 1). Gluon's wait
+# deps do not keep those registers (they appear in the wait's asm only as a comment), so without
+# this ptxas reuses them while the wgmma still reads them.
+_HOLD_ASM = ttgl.constexpr(
+    "{ .reg .pred p; setp.lt.s32 p, $8, 0; @p st.shared.v4.b32 [$8], {$0, $1, $2, $3}; }"
+) if HAS_GLUON else None
+
+
 @jit
-def _consume(smem, ptrs, sizes, WG: ttgl.constexpr, BITS: ttgl.constexpr,
-             GROUP_STEPS: ttgl.constexpr, BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr,
-             STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr):
-    """Consumer warpgroup WG: rows WG * 64 .. + 63 of each tile, acc [64, BLOCK_M] over K,
-    then out^T. Each step decodes its words straight into wgmma's register A operand and waits
-    for its wgmma before the next decode: ptxas reuses an A operand's registers as soon as the
-    wgmma is issued (the wait's deps do not keep them), and a wgmma left in flight over the next
-    decode read overwritten weights (results/h100/wint_ws.txt 1.). Each warpgroup is its own
-    partition and releases a stage by its own arrival, so the two drift apart: one decodes
-    while the other's wgmma runs. (Decoding through shared memory instead, to keep a wgmma in
-    flight, was slower: 2.)"""
+def _hold(a, m):
+    """Keeps ``a``'s registers allocated up to here (see _HOLD_ASM); ``m``: M, at least 1."""
+    ttgl.inline_asm_elementwise(_HOLD_ASM, "=r,=r,=r,=r,0,1,2,3" + ",r" * 8, [a, m], dtype=a.dtype,
+                                is_pure=False, pack=8)
+
+
+@jit
+def _step(smem, s_rows, acc, held, count, step, M, BITS: ttgl.constexpr,
+          GROUP_STEPS: ttgl.constexpr, NUM_STAGES: ttgl.constexpr, L4: ttgl.constexpr,
+          LW: ttgl.constexpr, A: ttgl.constexpr, LAST: ttgl.constexpr):
+    """K step ``step`` (the ring's ``count``-th): decode the words straight into wgmma's
+    register A operand and issue the wgmma; then wait for the previous step's wgmma (``held``
+    its operand), free its registers and release its stage. Returns acc and this step's
+    operand, which the caller holds until its wgmma is done; the tile's LAST step waits for
+    its own wgmma too, in the same block: ptxas let the epilogue read the accumulator before
+    a wait placed after the loop."""
+    x_bufs, w_bufs, ready, empty = smem
+    stage = count % NUM_STAGES
+    if GROUP_STEPS > 0:  # issued before the wait: its latency hides behind it
+        s = ttgl.load(s_rows + step // GROUP_STEPS)
+    mbarrier.wait(ready.index(stage), (count // NUM_STAGES) & 1)
+    a = _decode(w_bufs.index(stage).load(LW), BITS, L4, A, x_bufs.dtype)
+    if GROUP_STEPS > 0:
+        a = a * s[:, None]
+    acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(0 if LAST else 1, deps=[acc])
+    m = ttgl.full(held.shape, M, ttgl.int32, layout=A)
+    _hold(held, m)
+    if step > 0:  # the tile's previous step
+        mbarrier.arrive(empty.index((count + NUM_STAGES - 1) % NUM_STAGES))
+    if LAST:
+        _hold(a, m)
+        mbarrier.arrive(empty.index(stage))
+    return acc, a
+
+
+@jit
+def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
+             BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
+             NUM_STAGES: ttgl.constexpr):
+    """The consumer warpgroups (64 rows of W each): acc [BLOCK_N, BLOCK_M] over K, then out^T.
+    Each step's wgmma stays in flight while the next step decodes (_step). ptxas reuses a
+    wgmma's register operand as soon as the wgmma is issued unless a later instruction reads
+    it (results/h100/wint_ws.txt 1.), so each operand is held past the wait that retires its
+    wgmma (_hold). The loop takes two steps at a time so that each operand keeps registers of
+    its own: an operand carried round the loop would be copied at the back edge and its
+    registers reused while its wgmma runs. (With each warpgroup its own partition, ptxas
+    serializes the wgmmas: "insufficient register resources".)"""
     x_bufs, w_bufs, ready, empty = smem
     s_ptr, out_ptr = ptrs
     M, N, KW, stride_sn, stride_om, x_tiles, num_tiles = sizes
-    MMA: ttgl.constexpr = ttgl.NVMMADistributedLayout([3, 0], [4, 1], [16, BLOCK_M, 16])
+    MMA: ttgl.constexpr = ttgl.NVMMADistributedLayout([3, 0], [BLOCK_N // 16, 1],
+                                                      [16, BLOCK_M, 16])
     A: ttgl.constexpr = ttgl.DotOperandLayout(0, MMA, 2)
-    L4: ttgl.constexpr = _decode_layout(BITS)
+    L4: ttgl.constexpr = _decode_layout(BITS, BLOCK_N)
     LW: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, L4))
-    dt: ttgl.constexpr = x_bufs.dtype
-    rows_a = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, A))
-    rows_c = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, MMA))
+    rows_a = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(1, A))
+    rows_c = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(1, MMA))
     cols_c = ttgl.arange(0, BLOCK_M, layout=ttgl.SliceLayout(0, MMA))
+    steps = KW // STEP_W  # even (wint_ws_applies)
     count = 0
     for tile in range(ttgl.program_id(0), num_tiles, ttgl.num_programs(0)):
         m0 = (tile % x_tiles) * BLOCK_M
-        row0 = (tile // x_tiles) * BLOCK_N + WG * 64
+        row0 = (tile // x_tiles) * BLOCK_N
         # scale rows clamped (rows past N are computed from zero words and not stored)
         s_rows = s_ptr + ttgl.minimum(row0 + rows_a, N - 1).to(ttgl.int64) * stride_sn
-        acc = ttgl.zeros([64, BLOCK_M], ttgl.float32, MMA)
-        for step in range(0, KW // STEP_W):
-            stage = count % NUM_STAGES
-            if GROUP_STEPS > 0:  # issued before the wait: its latency hides behind it
-                s = ttgl.load(s_rows + step // GROUP_STEPS)
-            mbarrier.wait(ready.index(stage), (count // NUM_STAGES) & 1)
-            a = _decode(w_bufs.index(stage).slice(WG * 64, 64).load(LW), BITS, L4, A, dt)
-            if GROUP_STEPS > 0:
-                a = a * s[:, None]
-            acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
-            acc, a = warpgroup_mma_wait(0, deps=[acc, a])
-            mbarrier.arrive(empty.index(stage))
-            count += 1
+        acc = ttgl.zeros([BLOCK_N, BLOCK_M], ttgl.float32, MMA)
+        odd = ttgl.zeros([BLOCK_N, _STEP], x_bufs.dtype, A)  # nothing in flight yet
+        for step in range(0, steps - 2, 2):
+            acc, even = _step(smem, s_rows, acc, odd, count, step, M, BITS, GROUP_STEPS,
+                              NUM_STAGES, L4, LW, A, False)
+            acc, odd = _step(smem, s_rows, acc, even, count + 1, step + 1, M, BITS,
+                             GROUP_STEPS, NUM_STAGES, L4, LW, A, False)
+            count += 2
+        acc, even = _step(smem, s_rows, acc, odd, count, steps - 2, M, BITS, GROUP_STEPS,
+                          NUM_STAGES, L4, LW, A, False)
+        acc, odd = _step(smem, s_rows, acc, even, count + 1, steps - 1, M, BITS, GROUP_STEPS,
+                         NUM_STAGES, L4, LW, A, True)
+        count += 2
         rows = row0 + rows_c
         if GROUP_STEPS == 0:  # per channel
             scale = ttgl.load(s_ptr + ttgl.minimum(rows, N - 1).to(ttgl.int64) * stride_sn)
             acc = acc * scale.to(ttgl.float32)[:, None]
         cols = m0 + cols_c
-        out = out_ptr + cols.to(ttgl.int64)[None, :] * stride_om + rows[:, None]
+        # 32-bit offsets (wint_ws_applies): 64-bit pointers a value spill in this epilogue
+        out = out_ptr + (cols[None, :] * stride_om + rows[:, None])
         ttgl.store(out, acc.to(out_ptr.dtype.element_ty),
                    mask=(rows < N)[:, None] & (cols < M)[None, :])
-
-
-@jit
-def _consume0(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
-              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
-              NUM_STAGES: ttgl.constexpr, USE_PDL: ttgl.constexpr):
-    _consume(smem, ptrs, sizes, 0, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W, NUM_STAGES)
-
-
-@jit
-def _consume1(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
-              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
-              NUM_STAGES: ttgl.constexpr, USE_PDL: ttgl.constexpr):
-    _consume(smem, ptrs, sizes, 1, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W, NUM_STAGES)
 
 
 @jit
@@ -244,10 +272,9 @@ def _wint_ws_kernel(
     x_desc, w_desc, s_ptr, out_ptr, M, N, KW, stride_sn, stride_om, x_tiles, num_tiles,
     BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr, BLOCK_N: ttgl.constexpr,
     BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr,
-    USE_PDL: ttgl.constexpr,
 ):  # fmt: skip
-    """Launched with 4 warps (consumer warpgroup 0); warp_specialize adds warpgroup 1 where
-    BLOCK_N is 128, and the producer warp."""
+    """Launched with BLOCK_N / 16 warps (the consumer warpgroups); warp_specialize adds the
+    producer warp."""
     x_bufs = ttgl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES, BLOCK_M, _STEP],
                                          x_desc.layout)
     w_bufs = ttgl.allocate_shared_memory(ttgl.int32, [NUM_STAGES, BLOCK_N, STEP_W],
@@ -256,45 +283,35 @@ def _wint_ws_kernel(
     empty = ttgl.allocate_shared_memory(ttgl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in ttgl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=BLOCK_N // 64)  # one arrival a warpgroup
+        mbarrier.init(empty.index(i), count=1)
     fence_async_shared()  # the initialized barriers visible to TMA
     descs = (x_desc, w_desc)
     smem = (x_bufs, w_bufs, ready, empty)
     ptrs = (s_ptr, out_ptr)
     sizes = (M, N, KW, stride_sn, stride_om, x_tiles, num_tiles)
-    if BLOCK_N == 128:
-        ttgl.warp_specialize([
-            (_consume0, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                         NUM_STAGES, USE_PDL)),
-            (_consume1, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                         NUM_STAGES, USE_PDL)),
-            (_produce, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                        NUM_STAGES, USE_PDL)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        ttgl.warp_specialize([
-            (_consume0, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                         NUM_STAGES, USE_PDL)),
-            (_produce, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                        NUM_STAGES, USE_PDL)),
-        ], [1], [PRODUCER_REGS])
+    ttgl.warp_specialize([
+        (_consume, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
+                    NUM_STAGES)),
+        (_produce, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
+                    NUM_STAGES)),
+    ], [1], [PRODUCER_REGS])
 
 
 # Per-tile cost of each tiling relative to 128 x 256 (one K pass; int4 gate_up at 1024 rows in
-# the H100 sweep of benchmarks/results/h100/wint_ws.txt 3., us per round of 132 tiles) and its
-# ring depth (the fastest of the sweep's): fewer rows of W or x cost less a tile, more a MAC.
-_TILINGS = {WsTiles(128, 256, 5): 1.0, WsTiles(128, 128, 6): 0.62, WsTiles(64, 256, 6): 0.71,
-            WsTiles(64, 128, 8): 0.45}
+# the H100 sweep of benchmarks/results/h100/wint_ws_overlap.txt 2., us per round of 132 tiles)
+# and its ring depth (the fastest of the sweep's): fewer rows of W or x cost less a tile, more
+# a MAC.
+_TILINGS = {WsTiles(128, 256, 5): 1.0, WsTiles(128, 128, 6): 0.62, WsTiles(64, 256, 6): 0.59,
+            WsTiles(64, 128, 8): 0.37}
 WS_MIN_M = 256  # fewer rows: wint_mma.py (its K split fills the SMs; nothing measured here)
 WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured against this kernel)
 
 
 def ws_tiles(m: int, n: int, sms: int) -> WsTiles:
-    """The tiling with the least rounds of tiles over the SMs x per-tile cost (_TILINGS). Over
-    the sweep's 32 Llama-3.1-8B layer x M x format points it picks tiles within 5% of the
-    fastest of the five timed (results/h100/wint_ws.txt 3.). 64 x 256 only where M is a
-    multiple of 256: with a partial x tile it ran 1.5-1.7x slower than at the next multiple of
-    256 (cause not found). ``sms``: the device's multiprocessor count."""
+    """The tiling with the least rounds of tiles over the SMs x per-tile cost (_TILINGS). 64 x 256
+    only where M is a multiple of 256: with a partial x tile it ran 1.6x slower than at the
+    next multiple of 256 (cause not found; results/h100/wint_ws_overlap.txt 2.). ``sms``: the
+    device's multiprocessor count."""
 
     def cost(item: tuple[WsTiles, float]) -> float:
         tiles, unit = item
@@ -308,19 +325,14 @@ def ws_tiles(m: int, n: int, sms: int) -> WsTiles:
 
 def wint_ws_preferred(m: int, n: int, k: int, bits: int, sms: int) -> bool:
     """Whether this kernel, at ws_tiles, beats wint_mma.py (its default tiles) for the shape,
-    from the H100 sweep (results/h100/wint_ws.txt 3.): at WS_MIN_M <= M <= WS_MAX_M
-    - 8-bit codes: always (per Llama-3.1-8B layer 269 -> 237 us at 256 rows, 444 -> 396 at
-      512, 855 -> 689 at 1024; down_proj at 256 rows the one point 2% slower);
-    - int4: where wint_mma's 128 x 256 tiles fill less than a wave at K <= 4096 (qkv and o_proj
-      up to 512 rows), or make four waves or more of whole x tiles (gate_up at 1024 rows: 404
-      -> 378 us). In between, wint_mma's narrower tail tiles match or beat this kernel, and at
-      down_proj's K it splits K, which this kernel does not."""
+    from the H100 sweep of Llama-3.1-8B's layers (results/h100/wint_ws_overlap.txt 2.): at
+    WS_MIN_M <= M <= WS_MAX_M, 8-bit codes always, int4 but where wint_mma's 128 x 256 tiles
+    fill a wave or more below 512 rows at K <= 4096 (gate_up at 256 and 384 rows: 105 and 176
+    us against this kernel's 107 and 190)."""
     if not WS_MIN_M <= m <= WS_MAX_M:
         return False
-    if bits == 8:
-        return True
     wave_tiles = -(-m // 256) * -(-n // 128)
-    return wave_tiles < sms and k <= 4096 or m % 256 == 0 and wave_tiles >= 4 * sms
+    return bits == 8 or m >= 512 or k > 4096 or wave_tiles < sms
 
 
 def _x_layout():
@@ -335,12 +347,11 @@ def _w_layout(bits: int):
                                   rank=2)
 
 
-def _constexprs(bits: int, group: int, k: int, tiles: WsTiles, use_pdl: bool) -> dict:
+def _constexprs(bits: int, group: int, k: int, tiles: WsTiles) -> dict:
     step_w = STEP * bits // 32
     return dict(BITS=bits, GROUP_STEPS=group // STEP if group < k else 0,
                 BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, STEP_W=step_w,
-                NUM_STAGES=tiles.stages,
-                USE_PDL=use_pdl)
+                NUM_STAGES=tiles.stages)
 
 
 def smem_bytes(bits: int, tiles: WsTiles) -> int:
@@ -353,8 +364,9 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                     group: int, tiles: WsTiles | None = None) -> bool:
     """Whether this kernel takes x [M, K] @ W^T: Gluon importable, CUDA sm_90 (wgmma), 16-bit x
     with 16-byte aligned rows, contiguous int32 words, symmetric int4 codes in groups of 64 or
-    128 or per channel, or 8-bit codes per channel, K a multiple of 64, scales in x's dtype
-    (the decoded weights are multiplied in it), the ring within 227 KB."""
+    128 or per channel, or 8-bit codes per channel, K a multiple of 128 (two steps a loop
+    pass), scales in x's dtype (the decoded weights are multiplied in it), the ring within
+    227 KB, and the output's offsets, the last x tile's rows included, within 32 bits."""
     if not (HAS_GLUON and x.is_cuda and words.is_cuda):
         return False
     if torch.cuda.get_device_capability(x.device) != (9, 0):
@@ -364,10 +376,11 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
             and words.dtype == torch.int32 and words.is_contiguous()
-            and words.data_ptr() % 16 == 0 and k % STEP == 0
+            and words.data_ptr() % 16 == 0 and k % (2 * STEP) == 0
             and (bits == 4 and (per_channel or group in (64, 128) and k % group == 0)
                  or bits == 8 and per_channel)
             and scales.stride(1) == 1 and scales.dtype == x.dtype
+            and -(-m // 256) * 256 * (-(-words.shape[0] // 16) * 16) < 2**31
             and smem_bytes(bits, tiles or ws_tiles(m, words.shape[0], num_sms(x.device)))
             <= 227 * 1024)
 
@@ -391,17 +404,20 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
     out = torch.empty(m, width, device=x.device, dtype=out_dtype or x.dtype)[:, :n]
     x_tiles = -(-m // tiles.block_m)
     num_tiles = x_tiles * -(-n // tiles.block_n)
-    launch = pdl(x.device)
+    # Launched without PDL: with it (the producer waiting, then releasing the next kernel), the
+    # int8 engine's tokens changed in 2 of 300 requests in one run of two (results/h100/
+    # wint_ws_overlap.txt 4.; cause not found, the TMA reads after griddepcontrol.wait a
+    # suspect): a plain launch starts after the previous kernel has finished.
     _wint_ws_kernel[(min(num_tiles, num_sms(x.device)),)](
         x_desc, w_desc, scales, out, m, n, kw, scales.stride(0), out.stride(0), x_tiles,
-        num_tiles, **_constexprs(bits, group, k, tiles, launch["USE_PDL"]),
-        num_warps=4, maxnreg=_maxnreg(tiles), launch_pdl=launch["launch_pdl"],
+        num_tiles, **_constexprs(bits, group, k, tiles),
+        num_warps=4 * tiles.consumers, maxnreg=_maxnreg(tiles),
     )  # fmt: skip
     return out.contiguous()
 
 
 def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
-                 dtype: str = "bf16", use_pdl: bool = True):
+                 dtype: str = "bf16"):
     """The kernel compiled for sm_90 on any host (kiln.kernels._gluon.compile_sm90); M and N
     unspecialized (any row counts)."""
     tiles = tiles or WsTiles()
@@ -410,9 +426,9 @@ def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
            "w_desc": f"tensordesc<i32[{tiles.block_n}, {step_w}],{_w_layout(bits)!r}>",
            "s_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "KW": "i32",
            "stride_sn": "i32", "stride_om": "i32", "x_tiles": "i32", "num_tiles": "i32"}
-    return _gluon.compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles, use_pdl),
-                         4, unspecialized=("M", "N", "x_tiles", "num_tiles"),
-                         maxnreg=_maxnreg(tiles))
+    return _gluon.compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles),
+                               4 * tiles.consumers, maxnreg=_maxnreg(tiles),
+                               unspecialized=("M", "N", "x_tiles", "num_tiles"))
 
 
 def _maxnreg(tiles: WsTiles) -> int:

@@ -3,6 +3,7 @@ GPU against float64 math on the dequantized weight (fresh random codes and scale
 64 / 128 / per channel and 8-bit per channel, bf16 and fp16 x, M and N that are no multiple of
 a tile); on CPU, its sm_90 compile and what it accepts."""
 
+import json
 import os
 import re
 import subprocess
@@ -78,7 +79,7 @@ def test_wint_ws_applies_only_on_cuda():
 
 @gpu
 def test_gpu_wint_ws_applies_to_formats():
-    """Group 32 (a step holds two groups), 8-bit group-wise scales, K not a multiple of 64,
+    """Group 32 (a step holds two groups), 8-bit group-wise scales, K not a multiple of 128,
     fp32 x and scales in another dtype than x's are not taken; the formats above are."""
     def applies(bits, group, k=4096, dtype=torch.bfloat16, scale_dtype=None):
         x = torch.randn(512, k, device="cuda").to(dtype)
@@ -88,60 +89,68 @@ def test_gpu_wint_ws_applies_to_formats():
         return ws.wint_ws_applies(x, words, scales, bits, group)
     assert applies(4, 128) and applies(4, 64) and applies(4, 4096) and applies(8, 4096)
     assert not applies(4, 32) and not applies(8, 128) and not applies(4, 96, k=96 * 30)
+    assert not applies(4, 64, k=64 * 65)  # an odd number of 64-code steps
     assert not applies(4, 128, dtype=torch.float32)
     assert not applies(4, 128, scale_dtype=torch.float32)
 
 
 @needs_triton
-@pytest.mark.parametrize("bits, group, block_m", [(4, 128, 256), (8, 4096, 256), (4, 128, 128)])
-def test_wint_ws_compiles_for_sm90(bits, group, block_m, tmp_path):
+@pytest.mark.parametrize("bits, group, block_n, block_m",
+                         [(4, 128, 128, 256), (8, 4096, 128, 256), (4, 4096, 64, 128)])
+def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, tmp_path):
     """The kernel compiles for sm_90 on a CPU host (in a subprocess: this package's conftest
     turns the interpreter on), warp-specialized (the producer warp gives up registers, the
-    consumers take them), x and words by TMA, and its K loop is what the design says: 4
-    wgmmas of 64 x block_m x 16 with the decoded weights in registers, waited for before the
-    next decode (no wgmma left in flight over the registers it reads), no local memory (spills
-    stay out of the loop)."""
+    consumers take them), x and words by TMA, and its K loop is what the design says: two
+    steps of 4 wgmmas of 64 x block_m x 16 with the decoded weights in registers, each left in
+    flight over the next step's decode (the wait leaves one group pending, so ptxas did not
+    serialize them), no instruction touching an in-flight wgmma's operand or accumulator
+    registers anywhere in the kernel, and no local memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, SM90_COMPILE, "wint_ws", "--bits", str(bits),
-                          "--group", str(group), "--block-m", str(block_m),
-                          "--dump", str(tmp_path)],
+                          "--group", str(group), "--block-n", str(block_n),
+                          "--block-m", str(block_m), "--dump", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.splitlines()[-1])
     ptx = (tmp_path / "wint_ws.ptx").read_text()
     loop = (tmp_path / "k_loop.sass").read_text()
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "cp.async.bulk.tensor" in ptx
-    assert len(re.findall(rf"HGMMA\.64x{block_m}x16\.F32\.BF16 R\d+, R\d+", loop)) == 4, loop
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop, loop
-    assert not re.search(r"\b(LDL|STL)\b", loop), loop
+    assert len(re.findall(rf"HGMMA\.64x{block_m}x16\.F32\.BF16 R\d+, R\d+", loop)) == 8, loop
+    assert loop.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 2, loop
+    assert report["wgmma_hazards"] == []
+    assert report["spill_stack_bytes"] == 0
 
 
 def test_ws_tiles_least_rounds_times_tile_cost():
     """On the H100's 132 SMs: gate_up (N = 28672) keeps 128 x 256 tiles at 512 rows; o_proj
-    (N = 4096) takes 64 x 128 at 256 rows (128 tiles, one round), 128 x 128 at 384 and 512
-    rows, 128 x 256 at 1024; at 1024 rows qkv (N = 6144) takes 128 x 128 (384 tiles, 3 rounds
-    at 0.62 against 192 in 2 at 1.0)."""
+    (N = 4096) takes 64 x 128 at 256 rows (128 tiles, one round), 128 x 128 at 384 rows (64 x
+    256 would leave its x tile ragged), 64 x 256 at 512 (128 tiles, one round at 0.59), 128 x
+    256 at 1024; at 1024 rows qkv (N = 6144) takes 64 x 256 (384 tiles, 3 rounds at 0.59
+    against 192 in 2 at 1.0)."""
     assert ws.ws_tiles(512, 28672, 132) == ws.WsTiles(128, 256, 5)
     assert ws.ws_tiles(256, 4096, 132) == ws.WsTiles(64, 128, 8)
     assert ws.ws_tiles(384, 4096, 132) == ws.WsTiles(128, 128, 6)
-    assert ws.ws_tiles(512, 4096, 132) == ws.WsTiles(128, 128, 6)
+    assert ws.ws_tiles(512, 4096, 132) == ws.WsTiles(64, 256, 6)
     assert ws.ws_tiles(1024, 4096, 132) == ws.WsTiles(128, 256, 5)
-    assert ws.ws_tiles(1024, 6144, 132) == ws.WsTiles(128, 128, 6)
+    assert ws.ws_tiles(1024, 6144, 132) == ws.WsTiles(64, 256, 6)
     # equal rounds: the cheaper tile (100 SMs, 96 tiles of 128 x 128 or of 64 x 256)
-    assert ws.ws_tiles(256, 6144, 100) == ws.WsTiles(128, 128, 6)
+    assert ws.ws_tiles(256, 6144, 100) == ws.WsTiles(64, 256, 6)
 
 
 def test_wint_ws_preferred_by_format_and_shape():
-    """8-bit codes from 256 to 1024 rows; int4 below a wave at K <= 4096 or from four waves of
-    whole 256-row x tiles; nothing outside 256..1024 rows."""
+    """8-bit codes from 256 to 1024 rows; int4 too but where wint_mma's 128 x 256 tiles fill a
+    wave below 512 rows at K <= 4096; nothing outside 256..1024 rows."""
     assert ws.wint_ws_preferred(512, 28672, 4096, 8, 132)
     assert ws.wint_ws_preferred(384, 28672, 4096, 8, 132)
     assert ws.wint_ws_preferred(256, 4096, 14336, 8, 132)
     assert ws.wint_ws_preferred(512, 4096, 4096, 4, 132)
     assert ws.wint_ws_preferred(1024, 28672, 4096, 4, 132)
-    assert not ws.wint_ws_preferred(512, 28672, 4096, 4, 132)
-    assert not ws.wint_ws_preferred(1000, 28672, 4096, 4, 132)
-    assert not ws.wint_ws_preferred(512, 4096, 14336, 4, 132)
+    assert ws.wint_ws_preferred(512, 28672, 4096, 4, 132)
+    assert ws.wint_ws_preferred(384, 4096, 14336, 4, 132)
+    assert ws.wint_ws_preferred(384, 6144, 4096, 4, 132)
+    assert not ws.wint_ws_preferred(384, 28672, 4096, 4, 132)
+    assert not ws.wint_ws_preferred(256, 28672, 4096, 4, 132)
     assert not ws.wint_ws_preferred(128, 4096, 4096, 8, 132)
     assert not ws.wint_ws_preferred(2048, 4096, 4096, 8, 132)
 
@@ -149,7 +158,7 @@ def test_wint_ws_preferred_by_format_and_shape():
 @gpu
 @pytest.mark.parametrize("bits, group, n, k, m, taken", [
     (4, 128, 4096, 4096, 512, True), (8, -1, 4096, 14336, 1024, True),
-    (4, 128, 6144, 4096, 1024, False), (8, -1, 4096, 4096, 128, False),
+    (4, 128, 16384, 4096, 384, False), (8, -1, 4096, 4096, 128, False),
 ])  # fmt: skip
 def test_gpu_quant_gemm_dispatches_to_wint_ws(monkeypatch, bits, group, n, k, m, taken):
     """quant_gemm's fused path takes this kernel where wint_ws_preferred says so (8-bit codes
