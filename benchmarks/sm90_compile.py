@@ -33,6 +33,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
+from sass_hazards import wgmma_hazards  # noqa: E402 (this script's folder)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -96,58 +97,6 @@ def k_loop(sass: str) -> list[str]:
     """The opcodes of k_loop_lines."""
     return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)",
                       "\n".join(k_loop_lines(sass)), re.M)
-
-
-_NO_REGISTER_WRITE = ("ST", "SYNCS.ARRIVE", "BAR", "BRA", "WARPGROUP", "NOP", "RED", "EXIT",
-                      "CCTL", "FENCE", "MEMBAR", "UTMA", "ISETP", "PLOP3", "UISETP", "ULDC")
-
-
-def _instructions(lines: list[str]) -> list[tuple[str, list[str], str]]:
-    """(opcode, operands, text) of each SASS instruction line, predicates dropped."""
-    out = []
-    for line in lines:
-        m = re.search(r"/\*[0-9a-f]+\*/\s+(.*?)\s*;", line)
-        if m:
-            text = m.group(1)
-            op, _, rest = re.sub(r"^@!?U?P\w+\s+", "", text).partition(" ")
-            out.append((op, [o.strip() for o in rest.split(",")], text))
-    return out
-
-
-def _registers(token: str, width: int) -> set[int]:
-    m = re.match(r"R(\d+)", token)
-    return set(range(int(m.group(1)), int(m.group(1)) + width)) if m else set()
-
-
-def wgmma_hazards(lines: list[str], cyclic: bool) -> list[str]:
-    """Instructions that touch the registers of a wgmma still in flight: that write its
-    register A operand (4 registers an HGMMA) or read or write its accumulator, between the
-    HGMMA and the WARPGROUP.DEPBAR that retires its group. ptxas does not always prevent
-    either (wint_ws.py's _hold and _step say where it did not). ``lines`` in address order;
-    ``cyclic``: a loop body, scanned twice so its back edge is followed. Branches are not
-    followed otherwise: a straight-line read of the code, for checking, not a proof."""
-    pending: list[set[int]] = []  # per committed group: A and accumulator registers
-    current: set[int] = set()
-    found = []
-    instructions = _instructions(lines)
-    for rnd in range(2 if cyclic else 1):
-        for op, ops, text in instructions:
-            if op.startswith("HGMMA"):
-                n = int(re.match(r"HGMMA\.64x(\d+)", op).group(1))
-                current |= _registers(ops[1], 4) | _registers(ops[0], n // 2)
-                if ops[-1] == "gsb0":
-                    pending.append(current)
-                    current = set()
-                continue
-            if op.startswith("WARPGROUP.DEPBAR"):
-                del pending[:max(0, len(pending) - int(ops[-1], 16))]
-                continue
-            busy = set().union(*pending)
-            touched = {r for o in ops for r in _registers(o, 1)} if not op.startswith(
-                _NO_REGISTER_WRITE) else set()
-            if busy and touched & busy and (rnd == 1 or not cyclic):
-                found.append(text)
-    return found
 
 
 def main() -> None:

@@ -51,3 +51,34 @@ def test_sm90_compile_names_an_unknown_unspecialized_argument():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
     assert "['stride_zz'] are not integer arguments of _gemm_kernel" in run.stderr
+
+
+def _sass(*instructions: str) -> list[str]:
+    """nvdisasm-style lines: an address comment, the instruction, a semicolon."""
+    return [f"        /*{16 * i:04x}*/                   {text} ;"
+            for i, text in enumerate(instructions)]
+
+
+def test_wgmma_hazards_flags_writes_to_an_in_flight_operand_and_reads_of_its_accumulator():
+    """The two faults wint_ws met (results/h100/wint_ws_overlap.txt 2.): a decode writing the
+    register operand of a wgmma that a DEPBAR left running, and an epilogue reading the
+    accumulator before the last DEPBAR; nothing once the DEPBAR has retired the group."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from sass_hazards import wgmma_hazards
+
+    hgmma = "HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR16], R24, gsb0"
+    operand_write = _sass(hgmma, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "LDS.128 R152, [R8+0x100]",
+                          "@!P0 BRA `(.L_x_1)")
+    assert wgmma_hazards(operand_write, cyclic=True) == ["LDS.128 R152, [R8+0x100]"]
+    accumulator_read = _sass(hgmma, "F2FP.BF16.F32.PACK_AB R17, R31, R30",
+                             "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    assert wgmma_hazards(accumulator_read, cyclic=False) == [
+        "F2FP.BF16.F32.PACK_AB R17, R31, R30"]
+    retired = _sass(hgmma, "WARPGROUP.DEPBAR.LE gsb0, 0x0", "LDS.128 R152, [R8+0x100]",
+                    "F2FP.BF16.F32.PACK_AB R17, R31, R30")
+    assert wgmma_hazards(retired, cyclic=True) == []
+    # other registers are free while it runs; a store reading the accumulator is not
+    assert wgmma_hazards(_sass(hgmma, "LDS.128 R200, [R8]", "STS.128 [R9], R200",
+                               "WARPGROUP.DEPBAR.LE gsb0, 0x0"), cyclic=False) == []
+    assert wgmma_hazards(_sass(hgmma, "STS.64 [R9], R86", "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+                         cyclic=False) == ["STS.64 [R9], R86"]
