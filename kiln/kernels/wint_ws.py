@@ -168,9 +168,11 @@ def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
 
 
 # Holds a wgmma's register operand (8 16-bit values a call) until the program reaches this
-# point: a store ptxas must keep, predicated on M < 0, which never holds (M >= 1). Gluon's wait
-# deps do not keep those registers (they appear in the wait's asm only as a comment), so without
-# this ptxas reuses them while the wgmma still reads them.
+# point: a store ptxas must keep, predicated on M < 0, which never holds (M >= 1). PTX leaves
+# writing those registers before the wait undefined; Gluon's wait deps do not keep them (they
+# appear in the wait's asm only as a comment), and without this ptxas gave them to the next
+# decode. (wint_mma's SASS does the same and is right on the H100, so the hardware may read
+# them at issue: whether the hold is needed was not measured; results/h100/wint_ws_overlap.txt)
 _HOLD_ASM = ttgl.constexpr(
     "{ .reg .pred p; setp.lt.s32 p, $8, 0; @p st.shared.v4.b32 [$8], {$0, $1, $2, $3}; }"
 ) if HAS_GLUON else None
@@ -220,11 +222,11 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     """The consumer warpgroups (64 rows of W each): acc [BLOCK_N, BLOCK_M] over K, then out^T.
     Each step's wgmma stays in flight while the next step decodes (_step). ptxas reuses a
     wgmma's register operand as soon as the wgmma is issued unless a later instruction reads
-    it (results/h100/wint_ws.txt 1.), so each operand is held past the wait that retires its
-    wgmma (_hold). The loop takes two steps at a time so that each operand keeps registers of
-    its own: an operand carried round the loop would be copied at the back edge and its
-    registers reused while its wgmma runs. (With each warpgroup its own partition, ptxas
-    serializes the wgmmas: "insufficient register resources".)"""
+    it, so each operand is held past the wait that retires its wgmma (_hold). The loop takes
+    two steps at a time so that each operand keeps registers of its own: an operand carried
+    round the loop would be copied at the back edge and its registers reused while its wgmma
+    runs. (With each warpgroup its own partition, ptxas serializes the wgmmas: "insufficient
+    register resources".)"""
     x_bufs, w_bufs, ready, empty = smem
     s_ptr, out_ptr = ptrs
     M, N, KW, stride_sn, stride_om, x_tiles, num_tiles = sizes
