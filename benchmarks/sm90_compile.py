@@ -93,10 +93,10 @@ def k_loop_lines(sass: str) -> list[str]:
     return best
 
 
-def k_loop(sass: str) -> list[str]:
-    """The opcodes of k_loop_lines."""
+def opcodes(lines: list[str]) -> list[str]:
+    """The opcodes of SASS lines, predicates dropped."""
     return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)",
-                      "\n".join(k_loop_lines(sass)), re.M)
+                      "\n".join(lines), re.M)
 
 
 def main() -> None:
@@ -150,7 +150,8 @@ def _compile_triton(parser: argparse.ArgumentParser, a: argparse.Namespace):
 
 
 def report(a: argparse.Namespace, kernel, registers: int, spill_bytes: int, sass: str) -> None:
-    loop = Counter(k_loop(sass))
+    loop_lines = k_loop_lines(sass)
+    loop = Counter(opcodes(loop_lines))
     report = dict(kernel=a.kernel, triton=triton.__version__,
                   options={k: v for k, v in vars(a).items() if k not in ("kernel", "dump")},
                   registers=registers, spill_stack_bytes=spill_bytes,
@@ -158,7 +159,7 @@ def report(a: argparse.Namespace, kernel, registers: int, spill_bytes: int, sass
                   k_loop_loads={op: n for op, n in loop.items()
                                 if op in ("LDG", "LDGSTS", "UTMALDG", "LDS", "LDL")},
                   k_loop_wgmmas=loop["HGMMA"], l2_prefetches=len(re.findall(r"CCTL\.E\.PF2", sass)),
-                  wgmma_hazards=wgmma_hazards(k_loop_lines(sass), True)
+                  wgmma_hazards=wgmma_hazards(loop_lines, True)
                   + wgmma_hazards(sass.splitlines(), False),
                   k_loop_l2_prefetches=loop["CCTL"])
     print(json.dumps(report))
@@ -169,7 +170,7 @@ def report(a: argparse.Namespace, kernel, registers: int, spill_bytes: int, sass
             with open(os.path.join(a.dump, f"{a.kernel}.{name}"), "w") as f:
                 f.write(text)
         with open(os.path.join(a.dump, "k_loop.sass"), "w") as f:
-            f.write("\n".join(k_loop_lines(sass)))
+            f.write("\n".join(loop_lines))
 
 
 if __name__ == "__main__":

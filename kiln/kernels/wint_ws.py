@@ -356,6 +356,11 @@ def _constexprs(bits: int, group: int, k: int, tiles: WsTiles) -> dict:
                 NUM_STAGES=tiles.stages)
 
 
+def _out_width(n: int) -> int:
+    """The output's row stride: N padded to 16 elements (aligned stores), as wint_mma_gemm's."""
+    return -(-n // 16) * 16
+
+
 def smem_bytes(bits: int, tiles: WsTiles) -> int:
     """The ring and its barriers."""
     return tiles.stages * (tiles.block_m * STEP * 2 + tiles.block_n * STEP * bits // 8
@@ -382,7 +387,7 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
             and (bits == 4 and (per_channel or group in (64, 128) and k % group == 0)
                  or bits == 8 and per_channel)
             and scales.stride(1) == 1 and scales.dtype == x.dtype
-            and -(-m // 256) * 256 * (-(-words.shape[0] // 16) * 16) < 2**31
+            and -(-m // 256) * 256 * _out_width(words.shape[0]) < 2**31
             and smem_bytes(bits, tiles or ws_tiles(m, words.shape[0], num_sms(x.device)))
             <= 227 * 1024)
 
@@ -401,9 +406,7 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
     step_w = STEP * bits // 32
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [tiles.block_m, STEP], _x_layout())
     w_desc = TensorDescriptor(words, [n, kw], [kw, 1], [tiles.block_n, step_w], _w_layout(bits))
-    # rows padded to 16 elements (aligned stores), as wint_mma_gemm's
-    width = -(-n // 16) * 16
-    out = torch.empty(m, width, device=x.device, dtype=out_dtype or x.dtype)[:, :n]
+    out = torch.empty(m, _out_width(n), device=x.device, dtype=out_dtype or x.dtype)[:, :n]
     x_tiles = -(-m // tiles.block_m)
     num_tiles = x_tiles * -(-n // tiles.block_n)
     # Launched without PDL: with it (the producer waiting, then releasing the next kernel), the
