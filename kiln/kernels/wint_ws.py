@@ -167,34 +167,14 @@ def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
             count += 1
 
 
-# Holds a wgmma's register operand (8 16-bit values a call) until the program reaches this
-# point: a store ptxas must keep, predicated on M < 0, which never holds (M >= 1). PTX leaves
-# writing those registers before the wait undefined; Gluon's wait deps do not keep them (they
-# appear in the wait's asm only as a comment), and without this ptxas gave them to the next
-# decode. (wint_mma's SASS does the same and is right on the H100, so the hardware may read
-# them at issue: whether the hold is needed was not measured; results/h100/wint_ws_overlap.txt)
-_HOLD_ASM = ttgl.constexpr(
-    "{ .reg .pred p; setp.lt.s32 p, $8, 0; @p st.shared.v4.b32 [$8], {$0, $1, $2, $3}; }"
-) if HAS_GLUON else None
-
-
 @jit
-def _hold(a, m):
-    """Keeps ``a``'s registers allocated up to here (see _HOLD_ASM); ``m``: M, at least 1."""
-    ttgl.inline_asm_elementwise(_HOLD_ASM, "=r,=r,=r,=r,0,1,2,3" + ",r" * 8, [a, m], dtype=a.dtype,
-                                is_pure=False, pack=8)
-
-
-@jit
-def _step(smem, s_rows, acc, held, count, step, M, BITS: ttgl.constexpr,
-          GROUP_STEPS: ttgl.constexpr, NUM_STAGES: ttgl.constexpr, L4: ttgl.constexpr,
-          LW: ttgl.constexpr, A: ttgl.constexpr, LAST: ttgl.constexpr):
+def _step(smem, s_rows, acc, count, step, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
+          NUM_STAGES: ttgl.constexpr, L4: ttgl.constexpr, LW: ttgl.constexpr,
+          A: ttgl.constexpr, LAST: ttgl.constexpr):
     """K step ``step`` (the ring's ``count``-th): decode the words straight into wgmma's
-    register A operand and issue the wgmma; then wait for the previous step's wgmma (``held``
-    its operand), free its registers and release its stage. Returns acc and this step's
-    operand, which the caller holds until its wgmma is done; the tile's LAST step waits for
-    its own wgmma too, in the same block: ptxas let the epilogue read the accumulator before
-    a wait placed after the loop."""
+    register A operand and issue the wgmma; then wait for the previous step's wgmma and
+    release its stage. The tile's LAST step waits for its own wgmma too, in the same block:
+    ptxas let the epilogue read the accumulator before a wait placed after the loop."""
     x_bufs, w_bufs, ready, empty = smem
     stage = count % NUM_STAGES
     if GROUP_STEPS > 0:  # issued before the wait: its latency hides behind it
@@ -205,14 +185,11 @@ def _step(smem, s_rows, acc, held, count, step, M, BITS: ttgl.constexpr,
         a = a * s[:, None]
     acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(0 if LAST else 1, deps=[acc])
-    m = ttgl.full(held.shape, M, ttgl.int32, layout=A)
-    _hold(held, m)
     if step > 0:  # the tile's previous step
         mbarrier.arrive(empty.index((count + NUM_STAGES - 1) % NUM_STAGES))
     if LAST:
-        _hold(a, m)
         mbarrier.arrive(empty.index(stage))
-    return acc, a
+    return acc
 
 
 @jit
@@ -220,12 +197,12 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
              NUM_STAGES: ttgl.constexpr):
     """The consumer warpgroups (64 rows of W each): acc [BLOCK_N, BLOCK_M] over K, then out^T.
-    Each step's wgmma stays in flight while the next step decodes (_step). ptxas reuses a
-    wgmma's register operand as soon as the wgmma is issued unless a later instruction reads
-    it, so each operand is held past the wait that retires its wgmma (_hold). The loop takes
-    two steps at a time so that each operand keeps registers of its own: an operand carried
-    round the loop would be copied at the back edge and its registers reused while its wgmma
-    runs. (With each warpgroup its own partition, ptxas serializes the wgmmas: "insufficient
+    Each step's wgmma stays in flight while the next step decodes (_step). The loop takes two
+    steps at a time so that each step's register operand has registers of its own: an operand
+    carried round the loop would be copied at the back edge and its registers reused while its
+    wgmma runs. Nothing holds the operands past their wait: in this form ptxas gave the next
+    decode other registers at every tiling (tests/kernels/test_wint_ws.py reads the SASS for
+    it). (With each warpgroup its own partition, ptxas serializes the wgmmas: "insufficient
     register resources".)"""
     x_bufs, w_bufs, ready, empty = smem
     s_ptr, out_ptr = ptrs
@@ -246,17 +223,16 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
         # scale rows clamped (rows past N are computed from zero words and not stored)
         s_rows = s_ptr + ttgl.minimum(row0 + rows_a, N - 1).to(ttgl.int64) * stride_sn
         acc = ttgl.zeros([BLOCK_N, BLOCK_M], ttgl.float32, MMA)
-        odd = ttgl.zeros([BLOCK_N, _STEP], x_bufs.dtype, A)  # nothing in flight yet
         for step in range(0, steps - 2, 2):
-            acc, even = _step(smem, s_rows, acc, odd, count, step, M, BITS, GROUP_STEPS,
-                              NUM_STAGES, L4, LW, A, False)
-            acc, odd = _step(smem, s_rows, acc, even, count + 1, step + 1, M, BITS,
-                             GROUP_STEPS, NUM_STAGES, L4, LW, A, False)
+            acc = _step(smem, s_rows, acc, count, step, BITS, GROUP_STEPS, NUM_STAGES, L4, LW,
+                        A, False)
+            acc = _step(smem, s_rows, acc, count + 1, step + 1, BITS, GROUP_STEPS, NUM_STAGES,
+                        L4, LW, A, False)
             count += 2
-        acc, even = _step(smem, s_rows, acc, odd, count, steps - 2, M, BITS, GROUP_STEPS,
-                          NUM_STAGES, L4, LW, A, False)
-        acc, odd = _step(smem, s_rows, acc, even, count + 1, steps - 1, M, BITS, GROUP_STEPS,
-                         NUM_STAGES, L4, LW, A, True)
+        acc = _step(smem, s_rows, acc, count, steps - 2, BITS, GROUP_STEPS, NUM_STAGES, L4, LW,
+                    A, False)
+        acc = _step(smem, s_rows, acc, count + 1, steps - 1, BITS, GROUP_STEPS, NUM_STAGES, L4,
+                    LW, A, True)
         count += 2
         rows = row0 + rows_c
         if GROUP_STEPS == 0:  # per channel
