@@ -41,13 +41,16 @@ from kiln.kernels import gemm, wint_mma, wint_ws  # noqa: E402
 
 
 def wint_mma_variant(a: argparse.Namespace) -> tuple:
-    """_wint_mma_kernel's signature and constants for the options (bf16 x)."""
+    """_wint_mma_kernel's signature and constants for the options (bf16 x), with the wait after
+    each step where wint_mma launches it so under the Triton that compiles it."""
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "smooth_ptr": "*bf16",
            "out_ptr": "*fp32" if a.out_fp32 else "*bf16", "part_ptr": "*fp32",
            "count_ptr": "*i32"}
     consts = dict(BITS=a.bits, STEP_W=a.k_step * a.bits // 32, GROUPED=not a.per_channel,
                   HAS_SMOOTH=False, SPLIT=a.split, ASM=True, BLOCK_N=a.block_n,
-                  BLOCK_M=a.block_m, EVEN_M=not a.ragged_m, USE_PDL=False)
+                  BLOCK_M=a.block_m, EVEN_M=not a.ragged_m, USE_PDL=a.pdl,
+                  RETIRE=wint_mma.retire_each_step(wint_mma.MmaTiles(
+                      a.block_n, a.split, a.block_m, a.warps, a.stages, a.k_step)))
     return wint_mma._wint_mma_kernel, sig, consts
 
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kiln.kernels._triton import num_sms, pdl, tl, triton, wait_for_inputs
+from kiln.kernels._triton import HAS_TRITON, num_sms, pdl, tl, triton, wait_for_inputs
 
 MMA_MIN_M = 3  # below: the CUDA-core GEMV (quant_gemm) is as fast or faster
 # above (per code width): dequantize + cuBLAS, faster over a Llama-3.1-8B layer from 2048 rows
@@ -135,12 +135,23 @@ def _code_pairs(words, BITS: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr,
 
 
 @triton.jit
+def _retire(acc, RETIRE: tl.constexpr):
+    """RETIRE: acc through an identity the pipeliner cannot see through, so that Triton waits for
+    the step's wgmmas (wait_group 0) before the next step decodes into registers they may still
+    read (retire_each_step says why)."""
+    if RETIRE:
+        acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32,
+                                        is_pure=True, pack=1)
+    return acc
+
+
+@triton.jit
 def _wint_mma_kernel(
     x_ptr, w_ptr, s_ptr, smooth_ptr, out_ptr, part_ptr, count_ptr,
     M, N, KW, kw_per_split, stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, STEP_W: tl.constexpr, GROUPED: tl.constexpr, HAS_SMOOTH: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, RETIRE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out^T [BLOCK_N, BLOCK_M] of one (row tile, x tile) over 1/SPLIT of K, STEP_W words a row
     per step: acc += W_codes [BLOCK_N, BK] @ x^T [BK, BLOCK_M], times the step's scale group if
@@ -178,13 +189,14 @@ def _wint_mma_kernel(
         if HAS_SMOOTH:  # AWQ: x * smooth, rounded to x's dtype as in the reference
             xt = (xt.to(tl.float32) * tl.load(smooth_ptr + k).to(tl.float32)[:, None]).to(dt)
         if not GROUPED:
-            acc = tl.dot(w, xt, acc)
+            acc = _retire(tl.dot(w, xt, acc), RETIRE)
         elif BLOCK_M <= 32:  # a multiply per output: 1/4 of folding's at 16 rows
             s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W).to(tl.float32)
             acc += tl.dot(w, xt) * s[:, None]  # (the MMA waited on every step)
         else:  # scales folded into the weight (rounded to dt as the dequantized reference's):
             s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)  # the MMA accumulates in
-            acc = tl.dot(w * s[:, None], xt, acc)  # place and runs on while the next step decodes
+            acc = _retire(tl.dot(w * s[:, None], xt, acc), RETIRE)  # place and runs on while the
+            # next step decodes (where RETIRE is off)
     if not GROUPED:
         acc = acc * tl.load(s_ptr + rows * stride_sn).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -226,6 +238,23 @@ def _per_channel_step(k: int) -> int | None:
     """Codes of K per step with per-channel scales: 64 (the H100 sweep's best for 8-bit codes
     at 4-64 rows, results/h100/wint_mma.txt), else 32 where 64 does not divide K."""
     return next((step for step in (64, 32) if k % step == 0), None)
+
+
+# Triton before 3.9 (3.6 beside torch 2.11 on the H100 machine) pipelines a dot whose A operand is
+# in registers with waits that retire only the oldest wgmma, so the next step's decode writes
+# registers that wgmmas still in flight read (triton-lang/triton#9433). Triton 3.9's SASS of the
+# same tiles has no such write (benchmarks/sm90_compile.py's wgmma_hazards).
+_RS_WGMMA_HAZARD = HAS_TRITON and tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
+
+
+def retire_each_step(tiles: MmaTiles) -> bool:
+    """Whether the kernel waits for each step's wgmmas before the next step decodes: under
+    Triton < 3.9, for the tiles whose SASS writes an in-flight wgmma's registers there (8 warps;
+    4 warps over 16-row x tiles with per-channel scales; not the 8-bit 64-row x tiles in 4
+    warps). Without the wait, the int8 engine's LM head at 128 rows gave logits up to 10 off,
+    run to run, in CUDA graphs with PDL; with it, layers at 64-256 rows take up to 28% longer
+    (results/h100/wint_mma_rs_hazard.txt)."""
+    return _RS_WGMMA_HAZARD and (tiles.num_warps == 8 or tiles.block_m < 64)
 
 
 def wint_mma_applies(x: torch.Tensor, n: int, zeros: torch.Tensor | None,
@@ -393,5 +422,6 @@ def _launch_kernel(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, b
         out.stride(0), BITS=bits, STEP_W=step_w, GROUPED=grouped,
         HAS_SMOOTH=smooth is not None, SPLIT=split, ASM=x.is_cuda,
         BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, EVEN_M=m % tiles.block_m == 0,
+        RETIRE=x.is_cuda and retire_each_step(tiles),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x.device),
     )  # fmt: skip

@@ -53,6 +53,23 @@ def test_sm90_compile_names_an_unknown_unspecialized_argument():
     assert "['stride_zz'] are not integer arguments of _gemm_kernel" in run.stderr
 
 
+@needs_triton
+@pytest.mark.parametrize("args", [
+    ["--bits", "8", "--per-channel", "--k-step", "64", "--block-m", "128", "--warps", "8",
+     "--stages", "4", "--out-fp32"],  # the LM head of the int8 preset at 128 rows
+    ["--bits", "8", "--per-channel", "--k-step", "64", "--block-n", "64", "--block-m", "16"],
+])  # fmt: skip
+def test_wint_mma_writes_no_register_of_a_wgmma_in_flight(args):
+    """The next step's decode writes no register an unretired wgmma reads: by the installed
+    Triton's pipelining, or by the wait wint_mma.retire_each_step adds where Triton 3.6 does not
+    (these tiles had 77 and 51 such writes there without it)."""
+    run = subprocess.run([sys.executable, SCRIPT, "wint_mma", *args], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["k_loop_wgmmas"] > 0 and report["wgmma_hazards"] == []
+
+
 def _sass(*instructions: str) -> list[str]:
     """nvdisasm-style lines: an address comment, the instruction, a semicolon."""
     return [f"        /*{16 * i:04x}*/                   {text} ;"
