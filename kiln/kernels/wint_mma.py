@@ -300,7 +300,9 @@ def wint_mma_tiles(m: int, n: int, k: int, group: int, bits: int,
     x loads masked) take 2 stages: with 3 or 4, Triton 3.6's kernel returned wrong results
     that changed from run to run on the H100 (8-bit codes into float32 at 65-127 rows, the LM
     head's case, relative error 0.06-0.27; int4 at 40 rows, NaN; results/h100/
-    wint_ws_overlap.txt 3.). Cause not found; 2 stages were right at every shape tried."""
+    wint_ws_overlap.txt 3.). Most likely the register hazard retire_each_step now waits out
+    (results/h100/wint_mma_rs_hazard.txt 2.: 2 stages have it in their SASS too); 3-4 stages
+    there were not tried again."""
     block_m = min(MMA_X_TILE_MAX, max(16, 1 << (m - 1).bit_length()))
     k_step = group if group < k else _per_channel_step(k)
     if block_m <= 32:
