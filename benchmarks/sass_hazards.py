@@ -45,9 +45,10 @@ def wgmma_hazards(lines: list[str], cyclic: bool) -> list[str]:
     """Instructions that touch the registers of a wgmma still in flight, its register A operand
     (4 registers an HGMMA) or its accumulator, between the HGMMA and the WARPGROUP.DEPBAR that
     retires its group: PTX leaves that undefined, and ptxas does not always keep a program out
-    of it (wint_ws.py's _hold and _step say where it did not). ``lines`` in address order;
-    ``cyclic``: a loop body, scanned twice so its back edge is followed. Branches are not
-    followed otherwise: a straight-line read of the code, for checking, not a proof."""
+    of it (wint_ws.py's _step and wint_mma.py's retire_each_step say where it did not).
+    ``lines`` in address order; ``cyclic``: a loop body, scanned twice so its back edge is
+    followed. Branches are not followed otherwise: a straight-line read of the code, for
+    checking, not a proof."""
     pending: list[set[int]] = []  # per committed group: A and accumulator registers
     current: set[int] = set()
     found = []
