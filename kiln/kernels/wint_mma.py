@@ -193,10 +193,10 @@ def _wint_mma_kernel(
         elif BLOCK_M <= 32:  # a multiply per output: 1/4 of folding's at 16 rows
             s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W).to(tl.float32)
             acc += tl.dot(w, xt) * s[:, None]  # (the MMA waited on every step)
-        else:  # scales folded into the weight (rounded to dt as the dequantized reference's):
-            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)  # the MMA accumulates in
-            acc = _retire(tl.dot(w * s[:, None], xt, acc), RETIRE)  # place and runs on while the
-            # next step decodes (where RETIRE is off)
+        else:  # scales folded into the weight (rounded to dt as the dequantized reference's);
+            # the MMA accumulates in place and, unless RETIRE, runs on while the next step decodes
+            s = tl.load(s_ptr + rows * stride_sn + kw0 // STEP_W)
+            acc = _retire(tl.dot(w * s[:, None], xt, acc), RETIRE)
     if not GROUPED:
         acc = acc * tl.load(s_ptr + rows * stride_sn).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -250,7 +250,7 @@ _RS_WGMMA_HAZARD = HAS_TRITON and tuple(int(p) for p in triton.__version__.split
 def retire_each_step(tiles: MmaTiles) -> bool:
     """Whether the kernel waits for each step's wgmmas before the next step decodes: under
     Triton < 3.9, for the tiles whose SASS writes an in-flight wgmma's registers there (8 warps;
-    4 warps over 16-row x tiles with per-channel scales; not the 8-bit 64-row x tiles in 4
+    4 warps over 16/32-row x tiles with per-channel scales; not the 8-bit 64-row x tiles in 4
     warps). Without the wait, the int8 engine's LM head at 128 rows gave logits up to 10 off,
     run to run, in CUDA graphs with PDL; with it, layers at 64-256 rows take up to 28% longer
     (results/h100/wint_mma_rs_hazard.txt)."""

@@ -14,16 +14,21 @@ from kiln.kernels.gemm import PREFETCH_K_STEPS
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sm90_compile.py")
 
 
+def _report(*args: str) -> dict:
+    """The script's JSON report for these arguments, run as a user would; it must succeed."""
+    run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @needs_triton
 @pytest.mark.parametrize("args, wgmma_per_step", [
     (["gemm", "--block-n", "32", "--stages", "2"], 8),  # 128-deep K steps of 16-deep wgmmas
     (["wint_mma", "--block-n", "64", "--block-m", "64", "--k-step", "64", "--split", "2"], 4),
 ])  # fmt: skip
 def test_sm90_compile_reports_the_k_loop(args, wgmma_per_step, tmp_path):
-    run = subprocess.run([sys.executable, SCRIPT, *args, "--dump", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = _report(*args, "--dump", str(tmp_path))
     assert 0 < report["registers"] <= 255 and report["spill_stack_bytes"] == 0
     assert report["k_loop_wgmmas"] == wgmma_per_step
     assert report["k_loop_instructions"] > wgmma_per_step
@@ -37,10 +42,7 @@ def test_gemm_asks_l2_for_its_first_weights_only_with_pdl(pdl):
     """With PDL each thread of the 64-column GEMM asks L2 for its share of the first K steps'
     weight lines before the wait (64 rows x 2 lines a 128-deep step over 128 threads: one a
     step), never in the K loop; without PDL there is nothing to overlap and no prefetch."""
-    run = subprocess.run([sys.executable, SCRIPT, "gemm", "--block-n", "64", "--stages", "3",
-                          *(["--pdl"] if pdl else [])], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = _report("gemm", "--block-n", "64", "--stages", "3", *(["--pdl"] if pdl else []))
     assert report["l2_prefetches"] == (PREFETCH_K_STEPS if pdl else 0)
     assert report["k_loop_l2_prefetches"] == 0
 
@@ -63,10 +65,7 @@ def test_wint_mma_writes_no_register_of_a_wgmma_in_flight(args):
     """The next step's decode writes no register an unretired wgmma reads: by the installed
     Triton's pipelining, or by the wait wint_mma.retire_each_step adds where Triton 3.6 does not
     (these tiles had 77 and 51 such writes there without it)."""
-    run = subprocess.run([sys.executable, SCRIPT, "wint_mma", *args], capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = _report("wint_mma", *args)
     assert report["k_loop_wgmmas"] > 0 and report["wgmma_hazards"] == []
 
 
