@@ -15,8 +15,8 @@ two >= M rows (at most MMA_X_TILE_MAX) or half that, 4 or 8 warps, 3 or 4 stages
 split _split picks ("*" in its key), half and twice it. Each row also times what the library
 runs at that M (quant_gemm.wint_linear_triton: dequantize + cuBLAS past MMA_MAX_M) and
 dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against. --ws adds the persistent
-Gluon kernel (kiln/kernels/wint_ws.py) at each of WS_TILES ("ws 128x256s4": rows of W x rows of
-x, stages), checked the same way.
+Gluon kernel (kiln/kernels/wint_ws.py) at each of WS_TILES or --ws-tiles ("ws 128x256s4": rows
+of W x rows of x, stages), checked the same way.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -70,7 +71,8 @@ def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
 
 
 def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generator,
-              dense: torch.Tensor, default_only: bool, with_ws: bool = False) -> dict:
+              dense: torch.Tensor, default_only: bool,
+              ws_tiles: tuple[tuple[int, int, int], ...] = ()) -> dict:
     words, scales = make_weight(n, k, bits, group, gen)
     g = group or k
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -100,11 +102,10 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
                    x, packed(a[0]), a[1], None, bits, g)),
                dequant_us=checked(lambda a: lambda: x @ wint_dequant_triton(
                    packed(a[0]), a[1], None, bits, g, x.dtype).t()))
-    if with_ws:
-        for block_n, block_m, stages in WS_TILES:
-            t = ws.WsTiles(block_n, block_m, stages)
-            row[f"ws {block_n}x{block_m}s{stages}"] = checked(
-                lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
+    for block_n, block_m, stages in ws_tiles:
+        t = ws.WsTiles(block_n, block_m, stages)
+        row[f"ws {block_n}x{block_m}s{stages}"] = checked(
+            lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
     if default_only:
         return row
     k_step = g if g < k else wm._per_channel_step(k)
@@ -126,9 +127,13 @@ def main() -> None:
     parser.add_argument("--default-only", action="store_true",
                         help="time wint_mma_tiles' picks only (and bf16)")
     parser.add_argument("--ws", action="store_true", help="also time wint_ws at WS_TILES")
+    parser.add_argument("--ws-tiles", default=",".join(f"{n}x{m}s{s}" for n, m, s in WS_TILES),
+                        help="with --ws: wint_ws tilings, rows of W x rows of x s stages")
     args = parser.parse_args()
     if args.ws and ws is None:
         parser.error("--ws: this tree's kiln has no kiln/kernels/wint_ws.py")
+    ws_tiles = tuple(tuple(int(v) for v in re.fullmatch(r"(\d+)x(\d+)s(\d+)", t).groups())
+                     for t in args.ws_tiles.split(",")) if args.ws else ()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -136,7 +141,7 @@ def main() -> None:
         for bits, group in FORMATS:
             for m in (int(v) for v in args.ms.split(",")):
                 row = dict(shape=name, **sweep_one(n, k, bits, group, m, gen, dense,
-                                                   args.default_only, args.ws))
+                                                   args.default_only, ws_tiles))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 with open(args.out, "w") as f:  # after every row: a cut-short run keeps its data
