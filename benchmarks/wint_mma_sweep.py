@@ -16,7 +16,7 @@ split _split picks ("*" in its key), half and twice it. Each row also times what
 runs at that M (quant_gemm.wint_linear_triton: dequantize + cuBLAS past MMA_MAX_M) and
 dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against. --ws adds the persistent
 Gluon kernel (kiln/kernels/wint_ws.py) at each of WS_TILES or --ws-tiles ("ws 128x256s4": rows
-of W x rows of x, stages), checked the same way.
+of W x rows of x, stages, K split), and at ws_tiles' pick, checked the same way.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
 
 def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generator,
               dense: torch.Tensor, default_only: bool,
-              ws_tiles: tuple[tuple[int, int, int], ...] = ()) -> dict:
+              ws_tiles: tuple[ws.WsTiles, ...] = ()) -> dict:
     words, scales = make_weight(n, k, bits, group, gen)
     g = group or k
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -102,10 +102,15 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
                    x, packed(a[0]), a[1], None, bits, g)),
                dequant_us=checked(lambda a: lambda: x @ wint_dequant_triton(
                    packed(a[0]), a[1], None, bits, g, x.dtype).t()))
-    for block_n, block_m, stages in ws_tiles:
-        t = ws.WsTiles(block_n, block_m, stages)
-        row[f"ws {block_n}x{block_m}s{stages}"] = checked(
-            lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
+    for t in ws_tiles:
+        if k % (2 * ws.STEP * t.split) == 0:
+            row[f"ws {t.block_n}x{t.block_m}s{t.stages}k{t.split}"] = checked(
+                lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
+    if ws_tiles:
+        picked = ws.ws_tiles(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        row["ws_default"] = str(picked)
+        row["ws_default_us"] = checked(
+            lambda a: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=picked))
     if default_only:
         return row
     k_step = g if g < k else wm._per_channel_step(k)
@@ -128,12 +133,15 @@ def main() -> None:
                         help="time wint_mma_tiles' picks only (and bf16)")
     parser.add_argument("--ws", action="store_true", help="also time wint_ws at WS_TILES")
     parser.add_argument("--ws-tiles", default=",".join(f"{n}x{m}s{s}" for n, m, s in WS_TILES),
-                        help="with --ws: wint_ws tilings, rows of W x rows of x s stages")
+                        help="with --ws: wint_ws tilings, rows of W x rows of x s stages "
+                             "[k split], as 128x64s8k4")
     args = parser.parse_args()
     if args.ws and ws is None:
         parser.error("--ws: this tree's kiln has no kiln/kernels/wint_ws.py")
-    ws_tiles = tuple(tuple(int(v) for v in re.fullmatch(r"(\d+)x(\d+)s(\d+)", t).groups())
-                     for t in args.ws_tiles.split(",")) if args.ws else ()
+    ws_tiles = tuple(
+        ws.WsTiles(*(int(v) for v in re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?", t).groups()
+                     if v is not None))
+        for t in args.ws_tiles.split(",")) if args.ws else ()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():

@@ -66,7 +66,7 @@ MMA_X_TILE_MAX = 256  # rows of x a program takes at most; more rows: more x til
 MMA_W8_SMALL_MAX_M = 32
 MMA_W8_SMALL_MAX_CODES = 1 << 25
 MIN_STEPS_PER_SPLIT = 8  # K steps a program keeps when K is split (fewer: no further split)
-_COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
+COUNTER_CAPACITY = 1 << 16  # output tiles (row tiles x x tiles) per launch
 _GROUPS = (32, 64, 128)  # group sizes a K step covers (wider ones: per channel only)
 
 # per asm instance: a word in $1 ($2 is the same register), a second word in $3 ($4), the prmt
@@ -222,7 +222,10 @@ def _wint_mma_kernel(
 _counters: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
-def _arrival_counters(device: torch.device) -> torch.Tensor:
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K arrival counters (COUNTER_CAPACITY zeroed int32, one an output tile,
+    each back to zero when its launch ends), shared by this kernel and wint_ws.py's: launches
+    on one stream run one after the other."""
     key = (device.type, device.index)
     if key not in _counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -230,7 +233,7 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
                 "the tensor-core weight-only GEMM allocates its split-K counters on first use, "
                 "which cannot happen inside a CUDA graph capture: run the model once eagerly "
                 "before capturing")
-        _counters[key] = torch.zeros(_COUNTER_CAPACITY, device=device, dtype=torch.int32)
+        _counters[key] = torch.zeros(COUNTER_CAPACITY, device=device, dtype=torch.int32)
     return _counters[key]
 
 
@@ -410,14 +413,14 @@ def _launch_kernel(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, b
     k_step = group if grouped else tiles.k_step
     assert k % k_step == 0 and k_step % cpw == 0
     x_tiles, row_tiles = triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n)
-    assert x_tiles * row_tiles <= _COUNTER_CAPACITY, \
+    assert x_tiles * row_tiles <= COUNTER_CAPACITY, \
         f"{m} x {n}: more output tiles than the split-K counters"
     step_w = k_step // cpw
     split = tiles.split or _split(tiles, x_tiles * row_tiles, k // k_step, x.device)
     steps_per_split = -(-(kw // step_w) // split)
     parts = (torch.empty(x_tiles * row_tiles * split * tiles.block_n * tiles.block_m,
                          device=x.device, dtype=torch.float32) if split > 1 else out)
-    counters = _arrival_counters(x.device) if split > 1 else out
+    counters = arrival_counters(x.device) if split > 1 else out
     _wint_mma_kernel[(x_tiles, row_tiles, split)](
         x, words, scales, smooth if smooth is not None else scales, out, parts, counters,
         m, n, kw, steps_per_split * step_w, x.stride(0), words.stride(0), scales.stride(0),

@@ -41,6 +41,7 @@ from kiln.kernels._gluon import (
     TensorDescriptor,
     axis_layout,
     constexpr_function,
+    cta_barrier,
     fence_async_shared,
     jit,
     mbarrier,
@@ -50,7 +51,14 @@ from kiln.kernels._gluon import (
     warpgroup_mma_wait,
 )
 from kiln.kernels._triton import num_sms
-from kiln.kernels.wint_mma import DECODE4_BF16, DECODE4_F16, DECODE8_BF16, DECODE8_F16
+from kiln.kernels.wint_mma import (
+    COUNTER_CAPACITY,
+    DECODE4_BF16,
+    DECODE4_F16,
+    DECODE8_BF16,
+    DECODE8_F16,
+    arrival_counters,
+)
 
 STEP = 64  # codes of K a step: x boxes 64 16-bit values wide (128 bytes, the widest swizzle)
 _STEP = ttgl.constexpr(STEP) if HAS_GLUON else STEP  # (kernels read constexpr globals only)
@@ -61,11 +69,13 @@ PRODUCER_REGS = ttgl.constexpr(24) if HAS_GLUON else 24
 @dataclass(frozen=True)
 class WsTiles:
     """block_n rows of W a tile (64 a consumer warpgroup), block_m rows of x a tile
-    (the wgmma's N: a multiple of 16 up to 256), stages ring buffers."""
+    (the wgmma's N: a multiple of 16 up to 256), stages ring buffers, split programs sharing
+    a tile's K (a power of two: each takes K / split)."""
 
     block_n: int = 128
     block_m: int = 256
     stages: int = 5
+    split: int = 1
 
     def __post_init__(self):
         if self.block_n not in (64, 128):
@@ -74,6 +84,8 @@ class WsTiles:
             raise ValueError(f"block_m={self.block_m}: a multiple of 16 in 16..256")
         if not 2 <= self.stages <= 8:
             raise ValueError(f"stages={self.stages}: 2..8")
+        if self.split not in (1, 2, 4, 8):
+            raise ValueError(f"split={self.split}: 1, 2, 4 or 8")
 
     @property
     def consumers(self) -> int:
@@ -141,23 +153,35 @@ def _decode(words, BITS: ttgl.constexpr, L4: ttgl.constexpr, A: ttgl.constexpr,
     return ttgl.convert_layout(flat, A, assert_trivial=True)
 
 
+@jit
+def _unit(unit, x_tiles, SPLIT: ttgl.constexpr):
+    """Work unit ``unit`` -> (output tile, its x tile, its W tile, its K split). x tiles vary
+    fastest, then the split: the programs that read one tile of W run at the same time."""
+    rest = unit // x_tiles
+    x_tile = unit % x_tiles
+    w_tile = rest // SPLIT
+    return w_tile * x_tiles + x_tile, x_tile, w_tile, rest % SPLIT
+
+
 # Every partition takes the same arguments (worker partitions share one signature): the TMA
 # descriptors, the shared buffers and barriers (x and words rings, ready, empty), the pointers
 # and sizes as tuples, then the constexprs.
 @jit
 def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
-             NUM_STAGES: ttgl.constexpr):
-    """The producer warp: every tile's K steps, x and words by TMA into the ring."""
+             NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr):
+    """The producer warp: every unit's K steps, x and words by TMA into the ring."""
     x_desc, w_desc = descs
     x_bufs, w_bufs, ready, empty = smem
-    M, N, KW, stride_sn, stride_om, x_tiles, num_tiles = sizes
+    M, N, KW, stride_sn, stride_om, x_tiles, num_units = sizes
     nbytes: ttgl.constexpr = BLOCK_M * _STEP * 2 + BLOCK_N * STEP_W * 4
+    kw_split = KW // SPLIT
     count = 0
-    for tile in range(ttgl.program_id(0), num_tiles, ttgl.num_programs(0)):
-        m0 = (tile % x_tiles) * BLOCK_M
-        row0 = (tile // x_tiles) * BLOCK_N
-        for kw0 in range(0, KW, STEP_W):
+    for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
+        _, x_tile, w_tile, part = _unit(unit, x_tiles, SPLIT)
+        m0 = x_tile * BLOCK_M
+        row0 = w_tile * BLOCK_N
+        for kw0 in range(part * kw_split, (part + 1) * kw_split, STEP_W):
             stage = count % NUM_STAGES
             # the ring's barriers start in phase 0: the first pass waits on phase 1, done
             mbarrier.wait(empty.index(stage), ((count // NUM_STAGES) & 1) ^ 1)
@@ -168,24 +192,25 @@ def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
 
 
 @jit
-def _step(smem, s_rows, acc, count, step, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
-          NUM_STAGES: ttgl.constexpr, L4: ttgl.constexpr, LW: ttgl.constexpr,
-          A: ttgl.constexpr, LAST: ttgl.constexpr):
-    """K step ``step`` (the ring's ``count``-th): decode the words straight into wgmma's
-    register A operand and issue the wgmma; then wait for the previous step's wgmma and
-    release its stage. The tile's LAST step waits for its own wgmma too, in the same block:
-    ptxas let the epilogue read the accumulator before a wait placed after the loop."""
+def _step(smem, s_rows, acc, count, step, first, BITS: ttgl.constexpr,
+          GROUP_STEPS: ttgl.constexpr, NUM_STAGES: ttgl.constexpr, L4: ttgl.constexpr,
+          LW: ttgl.constexpr, A: ttgl.constexpr, LAST: ttgl.constexpr):
+    """The unit's K step ``step`` (K step ``first + step`` of the whole K, the ring's
+    ``count``-th): decode the words straight into wgmma's register A operand and issue the
+    wgmma; then wait for the previous step's wgmma and release its stage. The unit's LAST step
+    waits for its own wgmma too, in the same block: ptxas let the epilogue read the accumulator
+    before a wait placed after the loop."""
     x_bufs, w_bufs, ready, empty = smem
     stage = count % NUM_STAGES
     if GROUP_STEPS > 0:  # issued before the wait: its latency hides behind it
-        s = ttgl.load(s_rows + step // GROUP_STEPS)
+        s = ttgl.load(s_rows + (first + step) // GROUP_STEPS)
     mbarrier.wait(ready.index(stage), (count // NUM_STAGES) & 1)
     a = _decode(w_bufs.index(stage).load(LW), BITS, L4, A, x_bufs.dtype)
     if GROUP_STEPS > 0:
         a = a * s[:, None]
     acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(0 if LAST else 1, deps=[acc])
-    if step > 0:  # the tile's previous step
+    if step > 0:  # the unit's previous step
         mbarrier.arrive(empty.index((count + NUM_STAGES - 1) % NUM_STAGES))
     if LAST:
         mbarrier.arrive(empty.index(stage))
@@ -193,10 +218,28 @@ def _step(smem, s_rows, acc, count, step, BITS: ttgl.constexpr, GROUP_STEPS: ttg
 
 
 @jit
+def _store_split(acc, parts, counter, out, mask, part, local, SPLIT: ttgl.constexpr,
+                 TILE: ttgl.constexpr):
+    """A split unit's float32 partial ``acc`` into the tile's ``parts`` [SPLIT, TILE] (at
+    ``local``); the tile's last unit to arrive (``counter``) adds them in split order (the
+    same bits whatever the arrival order), stores the sum at ``out`` and resets the counter
+    for the next launch."""
+    ttgl.store(parts + part * TILE + local, acc)
+    cta_barrier()  # every thread's partial stored before the arrival is counted
+    if ttgl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+        acc = ttgl.load(parts + local, cache_modifier=".cg")
+        for j in ttgl.static_range(1, SPLIT):
+            acc += ttgl.load(parts + j * TILE + local, cache_modifier=".cg")
+        ttgl.store(out, acc.to(out.dtype.element_ty), mask=mask)
+        ttgl.atomic_xchg(counter, 0)
+
+
+@jit
 def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
-             NUM_STAGES: ttgl.constexpr):
-    """The consumer warpgroups (64 rows of W each): acc [BLOCK_N, BLOCK_M] over K, then out^T.
+             NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr):
+    """The consumer warpgroups (64 rows of W each): acc [BLOCK_N, BLOCK_M] over the unit's K,
+    then out^T (or, K split, the partial: _store_split).
     Each step's wgmma stays in flight while the next step decodes (_step). The loop takes two
     steps at a time so that each step's register operand has registers of its own: an operand
     carried round the loop would be copied at the back edge and its registers reused while its
@@ -205,8 +248,8 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     it). (With each warpgroup its own partition, ptxas serializes the wgmmas: "insufficient
     register resources".)"""
     x_bufs, w_bufs, ready, empty = smem
-    s_ptr, out_ptr = ptrs
-    M, N, KW, stride_sn, stride_om, x_tiles, num_tiles = sizes
+    s_ptr, out_ptr, part_ptr, count_ptr = ptrs
+    M, N, KW, stride_sn, stride_om, x_tiles, num_units = sizes
     MMA: ttgl.constexpr = ttgl.NVMMADistributedLayout([3, 0], [BLOCK_N // 16, 1],
                                                       [16, BLOCK_M, 16])
     A: ttgl.constexpr = ttgl.DotOperandLayout(0, MMA, 2)
@@ -215,24 +258,26 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     rows_a = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(1, A))
     rows_c = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(1, MMA))
     cols_c = ttgl.arange(0, BLOCK_M, layout=ttgl.SliceLayout(0, MMA))
-    steps = KW // STEP_W  # even (wint_ws_applies)
+    steps = KW // STEP_W // SPLIT  # even (wint_ws_applies)
     count = 0
-    for tile in range(ttgl.program_id(0), num_tiles, ttgl.num_programs(0)):
-        m0 = (tile % x_tiles) * BLOCK_M
-        row0 = (tile // x_tiles) * BLOCK_N
+    for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
+        tile, x_tile, w_tile, part = _unit(unit, x_tiles, SPLIT)
+        m0 = x_tile * BLOCK_M
+        row0 = w_tile * BLOCK_N
+        first = part * steps
         # scale rows clamped (rows past N are computed from zero words and not stored)
         s_rows = s_ptr + ttgl.minimum(row0 + rows_a, N - 1).to(ttgl.int64) * stride_sn
         acc = ttgl.zeros([BLOCK_N, BLOCK_M], ttgl.float32, MMA)
         for step in range(0, steps - 2, 2):
-            acc = _step(smem, s_rows, acc, count, step, BITS, GROUP_STEPS, NUM_STAGES, L4, LW,
-                        A, False)
-            acc = _step(smem, s_rows, acc, count + 1, step + 1, BITS, GROUP_STEPS, NUM_STAGES,
+            acc = _step(smem, s_rows, acc, count, step, first, BITS, GROUP_STEPS, NUM_STAGES,
                         L4, LW, A, False)
+            acc = _step(smem, s_rows, acc, count + 1, step + 1, first, BITS, GROUP_STEPS,
+                        NUM_STAGES, L4, LW, A, False)
             count += 2
-        acc = _step(smem, s_rows, acc, count, steps - 2, BITS, GROUP_STEPS, NUM_STAGES, L4, LW,
-                    A, False)
-        acc = _step(smem, s_rows, acc, count + 1, steps - 1, BITS, GROUP_STEPS, NUM_STAGES, L4,
-                    LW, A, True)
+        acc = _step(smem, s_rows, acc, count, steps - 2, first, BITS, GROUP_STEPS, NUM_STAGES,
+                    L4, LW, A, False)
+        acc = _step(smem, s_rows, acc, count + 1, steps - 1, first, BITS, GROUP_STEPS,
+                    NUM_STAGES, L4, LW, A, True)
         count += 2
         rows = row0 + rows_c
         if GROUP_STEPS == 0:  # per channel
@@ -241,15 +286,23 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
         cols = m0 + cols_c
         # 32-bit offsets (wint_ws_applies): 64-bit pointers a value spill in this epilogue
         out = out_ptr + (cols[None, :] * stride_om + rows[:, None])
-        ttgl.store(out, acc.to(out_ptr.dtype.element_ty),
-                   mask=(rows < N)[:, None] & (cols < M)[None, :])
+        mask = (rows < N)[:, None] & (cols < M)[None, :]
+        if SPLIT == 1:
+            ttgl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            TILE: ttgl.constexpr = BLOCK_N * BLOCK_M
+            _store_split(acc, part_ptr + tile.to(ttgl.int64) * (SPLIT * TILE),
+                         count_ptr + tile, out, mask, part,
+                         rows_c[:, None] * BLOCK_M + cols_c[None, :], SPLIT, TILE)
 
 
 @jit
 def _wint_ws_kernel(
-    x_desc, w_desc, s_ptr, out_ptr, M, N, KW, stride_sn, stride_om, x_tiles, num_tiles,
+    x_desc, w_desc, s_ptr, out_ptr, part_ptr, count_ptr, M, N, KW, stride_sn, stride_om,
+    x_tiles, num_units,
     BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr, BLOCK_N: ttgl.constexpr,
     BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr,
+    SPLIT: ttgl.constexpr,
 ):  # fmt: skip
     """Launched with BLOCK_N / 16 warps (the consumer warpgroups); warp_specialize adds the
     producer warp."""
@@ -265,13 +318,13 @@ def _wint_ws_kernel(
     fence_async_shared()  # the initialized barriers visible to TMA
     descs = (x_desc, w_desc)
     smem = (x_bufs, w_bufs, ready, empty)
-    ptrs = (s_ptr, out_ptr)
-    sizes = (M, N, KW, stride_sn, stride_om, x_tiles, num_tiles)
+    ptrs = (s_ptr, out_ptr, part_ptr, count_ptr)
+    sizes = (M, N, KW, stride_sn, stride_om, x_tiles, num_units)
     ttgl.warp_specialize([
         (_consume, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                    NUM_STAGES)),
+                    NUM_STAGES, SPLIT)),
         (_produce, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                    NUM_STAGES)),
+                    NUM_STAGES, SPLIT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -285,7 +338,7 @@ WS_MIN_M = 256  # fewer rows: wint_mma.py (its K split fills the SMs; nothing me
 WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured against this kernel)
 
 
-def ws_tiles(m: int, n: int, sms: int) -> WsTiles:
+def ws_tiles(m: int, n: int, k: int, sms: int) -> WsTiles:
     """The tiling with the least rounds of tiles over the SMs x per-tile cost (_TILINGS). 64 x 256
     only where M is a multiple of 256: with a partial x tile it ran 1.6x slower than at the
     next multiple of 256 (cause not found; results/h100/wint_ws_overlap.txt 2.). ``sms``: the
@@ -329,12 +382,17 @@ def _constexprs(bits: int, group: int, k: int, tiles: WsTiles) -> dict:
     step_w = STEP * bits // 32
     return dict(BITS=bits, GROUP_STEPS=group // STEP if group < k else 0,
                 BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, STEP_W=step_w,
-                NUM_STAGES=tiles.stages)
+                NUM_STAGES=tiles.stages, SPLIT=tiles.split)
 
 
 def _out_width(n: int) -> int:
     """The output's row stride: N padded to 16 elements (aligned stores), as wint_mma_gemm's."""
     return -(-n // 16) * 16
+
+
+def _tiles(m: int, n: int, tiles: WsTiles) -> int:
+    """Output tiles: x tiles x W tiles."""
+    return -(-m // tiles.block_m) * -(-n // tiles.block_n)
 
 
 def smem_bytes(bits: int, tiles: WsTiles) -> int:
@@ -347,25 +405,28 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                     group: int, tiles: WsTiles | None = None) -> bool:
     """Whether this kernel takes x [M, K] @ W^T: Gluon importable, CUDA sm_90 (wgmma), 16-bit x
     with 16-byte aligned rows, contiguous int32 words, symmetric int4 codes in groups of 64 or
-    128 or per channel, or 8-bit codes per channel, K a multiple of 128 (two steps a loop
-    pass), scales in x's dtype (the decoded weights are multiplied in it), the ring within
-    227 KB, and the output's offsets, the last x tile's rows included, within 32 bits."""
+    128 or per channel, or 8-bit codes per channel, K a multiple of 128 a split (two steps a
+    loop pass), scales in x's dtype (the decoded weights are multiplied in it), the ring within
+    227 KB, the output's offsets, the last x tile's rows included, within 32 bits, and with K
+    split, no more output tiles than the arrival counters."""
     if not (HAS_GLUON and x.is_cuda and words.is_cuda):
         return False
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
     m, k = x.shape
+    n = words.shape[0]
+    tiles = tiles or ws_tiles(m, n, k, num_sms(x.device))
     per_channel = group >= k
     return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
             and words.dtype == torch.int32 and words.is_contiguous()
-            and words.data_ptr() % 16 == 0 and k % (2 * STEP) == 0
+            and words.data_ptr() % 16 == 0 and k % (2 * STEP * tiles.split) == 0
             and (bits == 4 and (per_channel or group in (64, 128) and k % group == 0)
                  or bits == 8 and per_channel)
             and scales.stride(1) == 1 and scales.dtype == x.dtype
-            and -(-m // 256) * 256 * _out_width(words.shape[0]) < 2**31
-            and smem_bytes(bits, tiles or ws_tiles(m, words.shape[0], num_sms(x.device)))
-            <= 227 * 1024)
+            and -(-m // 256) * 256 * _out_width(n) < 2**31
+            and smem_bytes(bits, tiles) <= 227 * 1024
+            and (tiles.split == 1 or _tiles(m, n, tiles) <= COUNTER_CAPACITY))
 
 
 def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -374,7 +435,7 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
     """x [M, K] (16-bit) @ dequantized W^T -> [M, N] in ``out_dtype`` (x's by default); W's
     codes as int32 words [N, K bits / 32], scales [N, K / group] (group >= K: per channel).
     Tiles: ``ws_tiles``'s unless given."""
-    tiles = tiles or ws_tiles(x.shape[0], words.shape[0], num_sms(x.device))
+    tiles = tiles or ws_tiles(x.shape[0], words.shape[0], x.shape[1], num_sms(x.device))
     assert wint_ws_applies(x, words, scales, bits, group, tiles), \
         "wint_ws_gemm does not take these inputs (see wint_ws_applies)"
     m, k = x.shape
@@ -384,14 +445,20 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
     w_desc = TensorDescriptor(words, [n, kw], [kw, 1], [tiles.block_n, step_w], _w_layout(bits))
     out = torch.empty(m, _out_width(n), device=x.device, dtype=out_dtype or x.dtype)[:, :n]
     x_tiles = -(-m // tiles.block_m)
-    num_tiles = x_tiles * -(-n // tiles.block_n)
+    num_units = _tiles(m, n, tiles) * tiles.split
+    if tiles.split > 1:  # the float32 partials, then the tile's arrival counter
+        parts = torch.empty(num_units * tiles.block_n * tiles.block_m, device=x.device,
+                            dtype=torch.float32)
+        counters = arrival_counters(x.device)
+    else:
+        parts = counters = out
     # Launched without PDL: with it (the producer waiting, then releasing the next kernel), the
     # int8 engine's tokens changed in 2 of 300 requests in one run of two (results/h100/
     # wint_ws_overlap.txt 4.; cause not found, the TMA reads after griddepcontrol.wait a
     # suspect): a plain launch starts after the previous kernel has finished.
-    _wint_ws_kernel[(min(num_tiles, num_sms(x.device)),)](
-        x_desc, w_desc, scales, out, m, n, kw, scales.stride(0), out.stride(0), x_tiles,
-        num_tiles, **_constexprs(bits, group, k, tiles),
+    _wint_ws_kernel[(min(num_units, num_sms(x.device)),)](
+        x_desc, w_desc, scales, out, parts, counters, m, n, kw, scales.stride(0), out.stride(0),
+        x_tiles, num_units, **_constexprs(bits, group, k, tiles),
         num_warps=4 * tiles.consumers, maxnreg=_maxnreg(tiles),
     )  # fmt: skip
     return out.contiguous()
@@ -405,11 +472,12 @@ def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
     step_w = STEP * bits // 32
     sig = {"x_desc": f"tensordesc<{dtype}[{tiles.block_m}, {STEP}],{_x_layout()!r}>",
            "w_desc": f"tensordesc<i32[{tiles.block_n}, {step_w}],{_w_layout(bits)!r}>",
-           "s_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "KW": "i32",
-           "stride_sn": "i32", "stride_om": "i32", "x_tiles": "i32", "num_tiles": "i32"}
+           "s_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
+           "count_ptr": "*i32", "M": "i32", "N": "i32", "KW": "i32", "stride_sn": "i32",
+           "stride_om": "i32", "x_tiles": "i32", "num_units": "i32"}
     return _gluon.compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles),
                                4 * tiles.consumers, maxnreg=_maxnreg(tiles),
-                               unspecialized=("M", "N", "x_tiles", "num_tiles"))
+                               unspecialized=("M", "N", "x_tiles", "num_units"))
 
 
 def _maxnreg(tiles: WsTiles) -> int:

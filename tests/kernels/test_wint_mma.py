@@ -85,7 +85,7 @@ def test_wint_mma_split_sum_is_repeatable_and_counters_reset():
     first, args = _check(130, 512, 4, 64, 6, torch.float16, "cpu", tiles)
     again = mma.wint_mma_gemm(args[0], args[1], args[2], 4, 64, tiles=tiles)
     assert torch.equal(first, again)
-    assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
+    assert int(mma.arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 @needs_triton
@@ -95,7 +95,7 @@ def test_wint_mma_tiles_x_rows(bits, group, split):
     each with its own split-K partials and counters; the counters are back at zero after."""
     _check(80, 384, bits, group, 40, torch.float16, "cpu", mma.MmaTiles(64, split, 16),
            seed=split)
-    assert int(mma._arrival_counters(torch.device("cpu")).abs().sum()) == 0
+    assert int(mma.arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 def _applies(m, bits=4, group=128, k=256, n=64, zeros=None, perm=None, fp8=False,

@@ -15,6 +15,7 @@ from kernel_testing import assert_rel_close, gpu, needs_triton
 from test_quant_gemm import make_weight, naive
 
 from kiln.kernels import quant_gemm as qg
+from kiln.kernels import wint_mma as mma
 from kiln.kernels import wint_ws as ws
 
 SM90_COMPILE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
@@ -45,12 +46,27 @@ def test_gpu_wint_ws_matches_float64(bits, group, n, k, m):
 
 @gpu
 @pytest.mark.parametrize("tiles", [ws.WsTiles(128, 128, 6), ws.WsTiles(64, 256, 4),
-                                   ws.WsTiles(128, 256, 2)])
+                                   ws.WsTiles(128, 256, 2), ws.WsTiles(128, 64, 8, 4),
+                                   ws.WsTiles(64, 32, 8, 8), ws.WsTiles(64, 128, 3, 2)])
 @pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
 def test_gpu_wint_ws_tiles(bits, group, tiles):
-    """One warpgroup or two, x tiles of 128 or 256 rows, a ring of 2 to 6 stages; K = 14336
-    (down_proj's: 224 steps, the ring wrapping many times a tile)."""
+    """One warpgroup or two, x tiles of 32 to 256 rows, a ring of 2 to 8 stages, K in 1 to 8
+    splits; K = 14336 (down_proj's: 224 steps, the ring wrapping many times a tile; 28 steps
+    a split of 8, whose group scales start mid-K)."""
     _check(2048, 14336, bits, group, 384, tiles=tiles)
+
+
+@gpu
+@pytest.mark.parametrize("bits, group", [(4, 64), (8, -1)])
+def test_gpu_wint_ws_split_k_repeats_exactly(bits, group):
+    """K split 4 ways over ragged M and N (tiles past both edges): the splits' partials are
+    added in split order whatever order they arrive in, so a second and third run give the
+    same bits, and every arrival counter is back to zero after each launch."""
+    tiles = ws.WsTiles(64, 64, 6, 4)
+    first = _check(1000, 4096, bits, group, 200, tiles=tiles, seed=5)
+    for _ in range(2):
+        assert torch.equal(_check(1000, 4096, bits, group, 200, tiles=tiles, seed=5), first)
+        assert int(mma.arrival_counters(first.device).abs().sum()) == 0
 
 
 @gpu
@@ -95,9 +111,10 @@ def test_gpu_wint_ws_applies_to_formats():
 
 
 @needs_triton
-@pytest.mark.parametrize("bits, group, block_n, block_m",
-                         [(4, 128, 128, 256), (8, 4096, 128, 256), (4, 4096, 64, 128)])
-def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, tmp_path):
+@pytest.mark.parametrize("bits, group, block_n, block_m, split",
+                         [(4, 128, 128, 256, 1), (8, 4096, 128, 256, 1), (4, 4096, 64, 128, 1),
+                          (8, 4096, 128, 64, 4), (4, 64, 64, 32, 2)])
+def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, tmp_path):
     """The kernel compiles for sm_90 on a CPU host (in a subprocess: this package's conftest
     turns the interpreter on), warp-specialized (the producer warp gives up registers, the
     consumers take them), x and words by TMA, and its K loop is what the design says: two
@@ -108,7 +125,8 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, SM90_COMPILE, "wint_ws", "--bits", str(bits),
                           "--group", str(group), "--block-n", str(block_n),
-                          "--block-m", str(block_m), "--dump", str(tmp_path)],
+                          "--block-m", str(block_m), "--split", str(split),
+                          "--dump", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.splitlines()[-1])
@@ -128,14 +146,14 @@ def test_ws_tiles_least_rounds_times_tile_cost():
     256 would leave its x tile ragged), 64 x 256 at 512 (128 tiles, one round at 0.59), 128 x
     256 at 1024; at 1024 rows qkv (N = 6144) takes 64 x 256 (384 tiles, 3 rounds at 0.59
     against 192 in 2 at 1.0)."""
-    assert ws.ws_tiles(512, 28672, 132) == ws.WsTiles(128, 256, 5)
-    assert ws.ws_tiles(256, 4096, 132) == ws.WsTiles(64, 128, 8)
-    assert ws.ws_tiles(384, 4096, 132) == ws.WsTiles(128, 128, 6)
-    assert ws.ws_tiles(512, 4096, 132) == ws.WsTiles(64, 256, 6)
-    assert ws.ws_tiles(1024, 4096, 132) == ws.WsTiles(128, 256, 5)
-    assert ws.ws_tiles(1024, 6144, 132) == ws.WsTiles(64, 256, 6)
+    assert ws.ws_tiles(512, 28672, 4096, 132) == ws.WsTiles(128, 256, 5)
+    assert ws.ws_tiles(256, 4096, 4096, 132) == ws.WsTiles(64, 128, 8)
+    assert ws.ws_tiles(384, 4096, 4096, 132) == ws.WsTiles(128, 128, 6)
+    assert ws.ws_tiles(512, 4096, 4096, 132) == ws.WsTiles(64, 256, 6)
+    assert ws.ws_tiles(1024, 4096, 4096, 132) == ws.WsTiles(128, 256, 5)
+    assert ws.ws_tiles(1024, 6144, 4096, 132) == ws.WsTiles(64, 256, 6)
     # equal rounds: the cheaper tile (100 SMs, 96 tiles of 128 x 128 or of 64 x 256)
-    assert ws.ws_tiles(256, 6144, 100) == ws.WsTiles(64, 256, 6)
+    assert ws.ws_tiles(256, 6144, 4096, 100) == ws.WsTiles(64, 256, 6)
 
 
 def test_wint_ws_preferred_by_format_and_shape():
