@@ -46,7 +46,7 @@ except ImportError:
     ws = None
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336)}
+          "down": (4096, 14336), "lm_head": (128256, 4096)}
 FORMATS = ((4, 128), (8, 0))  # (bits, group); 0: per channel
 WS_TILES = ((128, 256, 4), (128, 256, 5), (128, 128, 6), (64, 256, 6), (64, 128, 8))
 
@@ -72,7 +72,7 @@ def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
 
 def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generator,
               dense: torch.Tensor, default_only: bool,
-              ws_tiles: tuple[ws.WsTiles, ...] = ()) -> dict:
+              with_ws: bool = False, ws_tiles: tuple[ws.WsTiles, ...] = ()) -> dict:
     words, scales = make_weight(n, k, bits, group, gen)
     g = group or k
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -106,7 +106,7 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
         if k % (2 * ws.STEP * t.split) == 0:
             row[f"ws {t.block_n}x{t.block_m}s{t.stages}k{t.split}"] = checked(
                 lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
-    if ws_tiles:
+    if with_ws:
         picked = ws.ws_tiles(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
         row["ws_default"] = str(picked)
         row["ws_default_us"] = checked(
@@ -129,27 +129,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--ms", default="16,32,64,128,256,512,1024")
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down",
+                        help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--default-only", action="store_true",
                         help="time wint_mma_tiles' picks only (and bf16)")
     parser.add_argument("--ws", action="store_true", help="also time wint_ws at WS_TILES")
     parser.add_argument("--ws-tiles", default=",".join(f"{n}x{m}s{s}" for n, m, s in WS_TILES),
                         help="with --ws: wint_ws tilings, rows of W x rows of x s stages "
-                             "[k split], as 128x64s8k4")
+                             "[k split], as 128x64s8k4; empty: ws_tiles' pick only")
     args = parser.parse_args()
     if args.ws and ws is None:
         parser.error("--ws: this tree's kiln has no kiln/kernels/wint_ws.py")
-    ws_tiles = tuple(
-        ws.WsTiles(*(int(v) for v in re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?", t).groups()
-                     if v is not None))
-        for t in args.ws_tiles.split(",")) if args.ws else ()
+    tiling = re.compile(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?")
+    ws_tiles = tuple(ws.WsTiles(*(int(v or 1) for v in tiling.fullmatch(t).groups()))
+                     for t in args.ws_tiles.split(",") if t)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
         dense = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
         for bits, group in FORMATS:
             for m in (int(v) for v in args.ms.split(",")):
                 row = dict(shape=name, **sweep_one(n, k, bits, group, m, gen, dense,
-                                                   args.default_only, ws_tiles))
+                                                   args.default_only, args.ws, ws_tiles))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 with open(args.out, "w") as f:  # after every row: a cut-short run keeps its data

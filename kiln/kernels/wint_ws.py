@@ -31,7 +31,7 @@ dequantized reference's); per-channel scales multiply the accumulator once at th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,7 @@ from kiln.kernels._gluon import (
     constexpr_function,
     cta_barrier,
     fence_async_shared,
+    gdc,
     jit,
     mbarrier,
     tma_load,
@@ -50,7 +51,7 @@ from kiln.kernels._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from kiln.kernels._triton import num_sms
+from kiln.kernels._triton import num_sms, pdl
 from kiln.kernels.wint_mma import (
     COUNTER_CAPACITY,
     DECODE4_BF16,
@@ -169,11 +170,20 @@ def _unit(unit, x_tiles, SPLIT: ttgl.constexpr):
 @jit
 def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
-             NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr):
-    """The producer warp: every unit's K steps, x and words by TMA into the ring."""
+             NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr, USE_PDL: ttgl.constexpr):
+    """The producer warp: every unit's K steps, x and words by TMA into the ring. With PDL it
+    waits for the previous kernel (x is its output) before its first load, then lets the next
+    kernel launch; the consumers store nothing (out, partials, counters) before their first
+    stage arrives, so after that wait too."""
     x_desc, w_desc = descs
     x_bufs, w_bufs, ready, empty = smem
     M, N, KW, stride_sn, stride_om, x_tiles, num_units = sizes
+    if USE_PDL:
+        gdc(True)
+        # x was written through the generic proxy and is read here through the async one (TMA)
+        ttgl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [],
+                                    dtype=ttgl.int32, is_pure=False, pack=1)
+        gdc(False)
     nbytes: ttgl.constexpr = BLOCK_M * _STEP * 2 + BLOCK_N * STEP_W * 4
     kw_split = KW // SPLIT
     count = 0
@@ -237,7 +247,7 @@ def _store_split(acc, parts, counter, out, mask, part, local, SPLIT: ttgl.conste
 @jit
 def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
-             NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr):
+             NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr, USE_PDL: ttgl.constexpr):
     """The consumer warpgroups (64 rows of W each): acc [BLOCK_N, BLOCK_M] over the unit's K,
     then out^T (or, K split, the partial: _store_split).
     Each step's wgmma stays in flight while the next step decodes (_step). The loop takes two
@@ -302,7 +312,7 @@ def _wint_ws_kernel(
     x_tiles, num_units,
     BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr, BLOCK_N: ttgl.constexpr,
     BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr,
-    SPLIT: ttgl.constexpr,
+    SPLIT: ttgl.constexpr, USE_PDL: ttgl.constexpr,
 ):  # fmt: skip
     """Launched with BLOCK_N / 16 warps (the consumer warpgroups); warp_specialize adds the
     producer warp."""
@@ -322,48 +332,50 @@ def _wint_ws_kernel(
     sizes = (M, N, KW, stride_sn, stride_om, x_tiles, num_units)
     ttgl.warp_specialize([
         (_consume, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                    NUM_STAGES, SPLIT)),
+                    NUM_STAGES, SPLIT, USE_PDL)),
         (_produce, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                    NUM_STAGES, SPLIT)),
+                    NUM_STAGES, SPLIT, USE_PDL)),
     ], [1], [PRODUCER_REGS])
 
 
-# Per-tile cost of each tiling relative to 128 x 256 (one K pass; int4 gate_up at 1024 rows in
-# the H100 sweep of benchmarks/results/h100/wint_ws_overlap.txt 2., us per round of 132 tiles)
-# and its ring depth (the fastest of the sweep's): fewer rows of W or x cost less a tile, more
-# a MAC.
-_TILINGS = {WsTiles(128, 256, 5): 1.0, WsTiles(128, 128, 6): 0.62, WsTiles(64, 256, 6): 0.59,
-            WsTiles(64, 128, 8): 0.37}
-WS_MIN_M = 256  # fewer rows: wint_mma.py (its K split fills the SMs; nothing measured here)
+# Each tiling's cost model, fitted to the H100 sweep of Llama-3.1-8B's layers at 64-1024 rows
+# (benchmarks/results/h100/wint_ws_split.txt): a round of units (a tile's K, or a split of it)
+# over the SMs takes a + b x the unit's K steps us, and splitting K adds c us (the partials'
+# sum) once; None: not split (128 x 256: not measured). Each ring depth is the sweep's fastest.
+_COSTS = {
+    WsTiles(64, 32, 8): (2.74, 0.18, 5.55), WsTiles(64, 64, 8): (4.88, 0.17, 4.13),
+    WsTiles(64, 128, 8): (7.09, 0.22, 5.46), WsTiles(64, 256, 6): (7.22, 0.33, 15.4),
+    WsTiles(128, 32, 8): (4.06, 0.25, 4.58), WsTiles(128, 64, 8): (7.48, 0.25, 4.49),
+    WsTiles(128, 128, 6): (10.99, 0.32, 6.38), WsTiles(128, 256, 5): (9.92, 0.57, None),
+}
+SPLITS = (1, 2, 4)
+# fewer rows: wint_mma.py, or quant_gemm's tile kernel for 8-bit codes (not measured here)
+WS_MIN_M = 64
 WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured against this kernel)
 
 
 def ws_tiles(m: int, n: int, k: int, sms: int) -> WsTiles:
-    """The tiling with the least rounds of tiles over the SMs x per-tile cost (_TILINGS). 64 x 256
-    only where M is a multiple of 256: with a partial x tile it ran 1.6x slower than at the
-    next multiple of 256 (cause not found; results/h100/wint_ws_overlap.txt 2.). ``sms``: the
-    device's multiprocessor count."""
+    """The tiling and K split of least modelled time (_COSTS) for x [M, K] @ W [N, K]^T on
+    ``sms`` multiprocessors. 64 x 256 only where M is a multiple of 256: with a partial x tile
+    it ran 1.6x slower than at the next multiple of 256 (cause not found; results/h100/
+    wint_ws_overlap.txt 2.)."""
 
-    def cost(item: tuple[WsTiles, float]) -> float:
-        tiles, unit = item
-        count = -(-m // tiles.block_m) * -(-n // tiles.block_n)
-        return -(-count // sms) * unit
+    def cost(tiles: WsTiles) -> float:
+        a, b, c = _COSTS[replace(tiles, split=1)]
+        rounds = -(-_tiles(m, n, tiles) * tiles.split // sms)
+        return rounds * (a + b * k / STEP / tiles.split) + (c if tiles.split > 1 else 0.0)
 
-    usable = [(t, u) for t, u in _TILINGS.items() if m % 256 == 0 or t.block_m != 256
-              or t.block_n != 64]
-    return min(usable, key=cost)[0]
+    return min((replace(tiles, split=split) for tiles, (_, _, c) in _COSTS.items()
+                for split in SPLITS
+                if (split == 1 or c is not None) and k % (2 * STEP * split) == 0
+                and (m % 256 == 0 or (tiles.block_n, tiles.block_m) != (64, 256))), key=cost)
 
 
-def wint_ws_preferred(m: int, n: int, k: int, bits: int, sms: int) -> bool:
-    """Whether this kernel, at ws_tiles, beats wint_mma.py (its default tiles) for the shape,
-    from the H100 sweep of Llama-3.1-8B's layers (results/h100/wint_ws_overlap.txt 2.): at
-    WS_MIN_M <= M <= WS_MAX_M, 8-bit codes always, int4 but where wint_mma's 128 x 256 tiles
-    fill a wave or more below 512 rows at K <= 4096 (gate_up at 256 and 384 rows: 105 and 176
-    us against this kernel's 107 and 190)."""
-    if not WS_MIN_M <= m <= WS_MAX_M:
-        return False
-    wave_tiles = -(-m // 256) * -(-n // 128)
-    return bits == 8 or m >= 512 or k > 4096 or wave_tiles < sms
+def wint_ws_preferred(m: int) -> bool:
+    """Whether this kernel, at ws_tiles, beats wint_mma.py (its default tiles) for the shape:
+    at WS_MIN_M <= M <= WS_MAX_M, in the H100 sweep of Llama-3.1-8B's layers (results/h100/
+    wint_ws_split.txt)."""
+    return WS_MIN_M <= m <= WS_MAX_M
 
 
 def _x_layout():
@@ -378,11 +390,11 @@ def _w_layout(bits: int):
                                   rank=2)
 
 
-def _constexprs(bits: int, group: int, k: int, tiles: WsTiles) -> dict:
+def _constexprs(bits: int, group: int, k: int, tiles: WsTiles, use_pdl: bool) -> dict:
     step_w = STEP * bits // 32
     return dict(BITS=bits, GROUP_STEPS=group // STEP if group < k else 0,
                 BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, STEP_W=step_w,
-                NUM_STAGES=tiles.stages, SPLIT=tiles.split)
+                NUM_STAGES=tiles.stages, SPLIT=tiles.split, USE_PDL=use_pdl)
 
 
 def _out_width(n: int) -> int:
@@ -452,20 +464,17 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
         counters = arrival_counters(x.device)
     else:
         parts = counters = out
-    # Launched without PDL: with it (the producer waiting, then releasing the next kernel), the
-    # int8 engine's tokens changed in 2 of 300 requests in one run of two (results/h100/
-    # wint_ws_overlap.txt 4.; cause not found, the TMA reads after griddepcontrol.wait a
-    # suspect): a plain launch starts after the previous kernel has finished.
+    launch = pdl(x.device)
     _wint_ws_kernel[(min(num_units, num_sms(x.device)),)](
         x_desc, w_desc, scales, out, parts, counters, m, n, kw, scales.stride(0), out.stride(0),
-        x_tiles, num_units, **_constexprs(bits, group, k, tiles),
-        num_warps=4 * tiles.consumers, maxnreg=_maxnreg(tiles),
+        x_tiles, num_units, **_constexprs(bits, group, k, tiles, launch["USE_PDL"]),
+        num_warps=4 * tiles.consumers, maxnreg=_maxnreg(tiles), launch_pdl=launch["launch_pdl"],
     )  # fmt: skip
     return out.contiguous()
 
 
 def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
-                 dtype: str = "bf16"):
+                 dtype: str = "bf16", use_pdl: bool = True):
     """The kernel compiled for sm_90 on any host (kiln.kernels._gluon.compile_sm90); M and N
     unspecialized (any row counts)."""
     tiles = tiles or WsTiles()
@@ -475,7 +484,7 @@ def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
            "s_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
            "count_ptr": "*i32", "M": "i32", "N": "i32", "KW": "i32", "stride_sn": "i32",
            "stride_om": "i32", "x_tiles": "i32", "num_units": "i32"}
-    return _gluon.compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles),
+    return _gluon.compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles, use_pdl),
                                4 * tiles.consumers, maxnreg=_maxnreg(tiles),
                                unspecialized=("M", "N", "x_tiles", "num_units"))
 

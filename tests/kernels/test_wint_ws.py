@@ -140,37 +140,30 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, tmp_pat
     assert report["spill_stack_bytes"] == 0
 
 
-def test_ws_tiles_least_rounds_times_tile_cost():
-    """On the H100's 132 SMs: gate_up (N = 28672) keeps 128 x 256 tiles at 512 rows; o_proj
-    (N = 4096) takes 64 x 128 at 256 rows (128 tiles, one round), 128 x 128 at 384 rows (64 x
-    256 would leave its x tile ragged), 64 x 256 at 512 (128 tiles, one round at 0.59), 128 x
-    256 at 1024; at 1024 rows qkv (N = 6144) takes 64 x 256 (384 tiles, 3 rounds at 0.59
-    against 192 in 2 at 1.0)."""
+def test_ws_tiles_least_modelled_time():
+    """On the H100's 132 SMs: gate_up (N = 28672) keeps 128 x 256 tiles at 512 rows; down_proj
+    (K = 14336) at 128 rows splits K 4 ways over its 32 tiles of 128 x 128 (one round of 128
+    units); o_proj at 64 rows takes 128 tiles of 64 x 32 in one round; qkv at 1024 rows 64 x
+    256 (384 tiles in 3 rounds), but never at a row count no multiple of 256; a K that no
+    split divides into 128-code halves is not split."""
     assert ws.ws_tiles(512, 28672, 4096, 132) == ws.WsTiles(128, 256, 5)
-    assert ws.ws_tiles(256, 4096, 4096, 132) == ws.WsTiles(64, 128, 8)
-    assert ws.ws_tiles(384, 4096, 4096, 132) == ws.WsTiles(128, 128, 6)
-    assert ws.ws_tiles(512, 4096, 4096, 132) == ws.WsTiles(64, 256, 6)
-    assert ws.ws_tiles(1024, 4096, 4096, 132) == ws.WsTiles(128, 256, 5)
+    assert ws.ws_tiles(128, 4096, 14336, 132) == ws.WsTiles(128, 128, 6, split=4)
+    assert ws.ws_tiles(64, 4096, 4096, 132) == ws.WsTiles(64, 32, 8)
     assert ws.ws_tiles(1024, 6144, 4096, 132) == ws.WsTiles(64, 256, 6)
-    # equal rounds: the cheaper tile (100 SMs, 96 tiles of 128 x 128 or of 64 x 256)
+    assert all((t.block_n, t.block_m) != (64, 256)
+               for t in (ws.ws_tiles(m, n, 4096, 132) for m in (200, 384, 640)
+                         for n in (4096, 6144, 28672)))
+    assert ws.ws_tiles(64, 4096, 384 * 3, 132).split == 1
+    # fewer SMs, fewer units a round: 100 SMs at 256 rows of qkv
     assert ws.ws_tiles(256, 6144, 4096, 100) == ws.WsTiles(64, 256, 6)
 
 
-def test_wint_ws_preferred_by_format_and_shape():
-    """8-bit codes from 256 to 1024 rows; int4 too but where wint_mma's 128 x 256 tiles fill a
-    wave below 512 rows at K <= 4096; nothing outside 256..1024 rows."""
-    assert ws.wint_ws_preferred(512, 28672, 4096, 8, 132)
-    assert ws.wint_ws_preferred(384, 28672, 4096, 8, 132)
-    assert ws.wint_ws_preferred(256, 4096, 14336, 8, 132)
-    assert ws.wint_ws_preferred(512, 4096, 4096, 4, 132)
-    assert ws.wint_ws_preferred(1024, 28672, 4096, 4, 132)
-    assert ws.wint_ws_preferred(512, 28672, 4096, 4, 132)
-    assert ws.wint_ws_preferred(384, 4096, 14336, 4, 132)
-    assert ws.wint_ws_preferred(384, 6144, 4096, 4, 132)
-    assert not ws.wint_ws_preferred(384, 28672, 4096, 4, 132)
-    assert not ws.wint_ws_preferred(256, 28672, 4096, 4, 132)
-    assert not ws.wint_ws_preferred(128, 4096, 4096, 8, 132)
-    assert not ws.wint_ws_preferred(2048, 4096, 4096, 8, 132)
+def test_wint_ws_preferred_by_rows():
+    """From WS_MIN_M to WS_MAX_M rows, whatever the format and shape."""
+    assert ws.wint_ws_preferred(ws.WS_MIN_M) and ws.wint_ws_preferred(ws.WS_MAX_M)
+    assert ws.wint_ws_preferred(200)
+    assert not ws.wint_ws_preferred(ws.WS_MIN_M - 1)
+    assert not ws.wint_ws_preferred(ws.WS_MAX_M + 1)
 
 
 @gpu
