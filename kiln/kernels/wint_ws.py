@@ -367,7 +367,7 @@ def ws_tiles(m: int, n: int, k: int, sms: int) -> WsTiles:
 
     return min((replace(tiles, split=split) for tiles, (_, _, c) in _COSTS.items()
                 for split in SPLITS
-                if (split == 1 or c is not None) and k % (2 * STEP * split) == 0
+                if (split == 1 or c is not None and k % (2 * STEP * split) == 0)
                 and (m % 256 == 0 or (tiles.block_n, tiles.block_m) != (64, 256))), key=cost)
 
 

@@ -145,7 +145,7 @@ def test_ws_tiles_least_modelled_time():
     (K = 14336) at 128 rows splits K 4 ways over its 32 tiles of 128 x 128 (one round of 128
     units); o_proj at 64 rows takes 128 tiles of 64 x 32 in one round; qkv at 1024 rows 64 x
     256 (384 tiles in 3 rounds), but never at a row count no multiple of 256; a K that no
-    split divides into 128-code halves is not split."""
+    split divides into 128-code halves is not split, even one that is no multiple of 128."""
     assert ws.ws_tiles(512, 28672, 4096, 132) == ws.WsTiles(128, 256, 5)
     assert ws.ws_tiles(128, 4096, 14336, 132) == ws.WsTiles(128, 128, 6, split=4)
     assert ws.ws_tiles(64, 4096, 4096, 132) == ws.WsTiles(64, 32, 8)
@@ -154,6 +154,7 @@ def test_ws_tiles_least_modelled_time():
                for t in (ws.ws_tiles(m, n, 4096, 132) for m in (200, 384, 640)
                          for n in (4096, 6144, 28672)))
     assert ws.ws_tiles(64, 4096, 384 * 3, 132).split == 1
+    assert ws.ws_tiles(100, 4096, 64 * 65, 132).split == 1  # (wint_ws_applies then says no)
     # fewer SMs, fewer units a round: 100 SMs at 256 rows of qkv
     assert ws.ws_tiles(256, 6144, 4096, 100) == ws.WsTiles(64, 256, 6)
 
