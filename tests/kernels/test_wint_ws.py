@@ -170,11 +170,13 @@ def test_wint_ws_preferred_by_rows():
 @gpu
 @pytest.mark.parametrize("bits, group, n, k, m, taken", [
     (4, 128, 4096, 4096, 512, True), (8, -1, 4096, 14336, 1024, True),
-    (4, 128, 16384, 4096, 384, False), (8, -1, 4096, 4096, 128, False),
+    (4, 128, 16384, 4096, 384, True), (8, -1, 4096, 4096, 128, True),
+    (4, 128, 4096, 4096, 48, False), (8, -1, 4096, 4096, 2048, False),
 ])  # fmt: skip
 def test_gpu_quant_gemm_dispatches_to_wint_ws(monkeypatch, bits, group, n, k, m, taken):
-    """quant_gemm's fused path takes this kernel where wint_ws_preferred says so (8-bit codes
-    at 1024 rows too, past wint_mma's range), and the result matches float64 math."""
+    """quant_gemm's fused path takes this kernel where wint_ws_preferred says so (64 to 1024
+    rows: 8-bit codes at 1024 rows too, past wint_mma's range; not at 48 rows, nor at 2048,
+    where the weights are dequantized for cuBLAS), and the result matches float64 math."""
     calls = []
     real = qg.wint_ws_gemm
     monkeypatch.setattr(qg, "wint_ws_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
