@@ -65,6 +65,10 @@ STEP = 64  # codes of K a step: x boxes 64 16-bit values wide (128 bytes, the wi
 _STEP = ttgl.constexpr(STEP) if HAS_GLUON else STEP  # (kernels read constexpr globals only)
 # registers a thread of the producer warp (the consumers get what is left of the register file)
 PRODUCER_REGS = ttgl.constexpr(24) if HAS_GLUON else 24
+# tiles (rows of W x rows of x) whose last x tile ends at M (_x_start): not 128 x 256, whose
+# epilogue then spilled (its accumulator takes 128 registers a thread; triton 3.9)
+SHIFT_MAX_ELEMS = 128 * 128
+_SHIFT_MAX_ELEMS = ttgl.constexpr(SHIFT_MAX_ELEMS) if HAS_GLUON else SHIFT_MAX_ELEMS
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,18 @@ def _unit(unit, x_tiles, SPLIT: ttgl.constexpr):
     return w_tile * x_tiles + x_tile, x_tile, w_tile, rest % SPLIT
 
 
+@jit
+def _x_start(x_tile, M, BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr):
+    """The first row of x tile ``x_tile``'s box. In tiles of at most SHIFT_MAX_ELEMS, the last
+    one's ends at row M where M holds a whole box (its rows before x_tile * BLOCK_M belong to
+    the tile before it and are not stored again): a box partly past M made the GEMM slower in
+    proportion to its rows past M (TMA's zero fill; results/h100/wint_ws_split.txt)."""
+    if BLOCK_N * BLOCK_M <= _SHIFT_MAX_ELEMS:
+        return ttgl.minimum(x_tile * BLOCK_M, ttgl.maximum(M - BLOCK_M, 0))
+    else:
+        return x_tile * BLOCK_M
+
+
 # Every partition takes the same arguments (worker partitions share one signature): the TMA
 # descriptors, the shared buffers and barriers (x and words rings, ready, empty), the pointers
 # and sizes as tuples, then the constexprs.
@@ -189,7 +205,7 @@ def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     count = 0
     for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
         _, x_tile, w_tile, part = _unit(unit, x_tiles, SPLIT)
-        m0 = x_tile * BLOCK_M
+        m0 = _x_start(x_tile, M, BLOCK_N, BLOCK_M)
         row0 = w_tile * BLOCK_N
         for kw0 in range(part * kw_split, (part + 1) * kw_split, STEP_W):
             stage = count % NUM_STAGES
@@ -272,7 +288,7 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     count = 0
     for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
         tile, x_tile, w_tile, part = _unit(unit, x_tiles, SPLIT)
-        m0 = x_tile * BLOCK_M
+        m0 = _x_start(x_tile, M, BLOCK_N, BLOCK_M)
         row0 = w_tile * BLOCK_N
         first = part * steps
         # scale rows clamped (rows past N are computed from zero words and not stored)
@@ -296,7 +312,8 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
         cols = m0 + cols_c
         # 32-bit offsets (wint_ws_applies): 64-bit pointers a value spill in this epilogue
         out = out_ptr + (cols[None, :] * stride_om + rows[:, None])
-        mask = (rows < N)[:, None] & (cols < M)[None, :]
+        # nothing past M, nor the last tile's columns of the tile before it
+        mask = (rows < N)[:, None] & ((cols >= x_tile * BLOCK_M) & (cols < M))[None, :]
         if SPLIT == 1:
             ttgl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
@@ -349,26 +366,29 @@ _COSTS = {
     WsTiles(128, 128, 6): (10.99, 0.32, 6.38), WsTiles(128, 256, 5): (9.92, 0.57, None),
 }
 SPLITS = (1, 2, 4)
+# us a round per row of a box past M (fewer rows of x than a tile holds): TMA's zero fill, from
+# the rows past M in the same sweep (0.07-0.13)
+OOB_ROW_US = 0.1
 # fewer rows: wint_mma.py, or quant_gemm's tile kernel for 8-bit codes (not measured here)
 WS_MIN_M = 64
 WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured against this kernel)
 
 
 def ws_tiles(m: int, n: int, k: int, sms: int) -> WsTiles:
-    """The tiling and K split of least modelled time (_COSTS) for x [M, K] @ W [N, K]^T on
-    ``sms`` multiprocessors. 64 x 256 only where M is a multiple of 256: with a partial x tile
-    it ran 1.6x slower than at the next multiple of 256 (cause not found; results/h100/
-    wint_ws_overlap.txt 2.)."""
+    """The tiling and K split of least modelled time (_COSTS, OOB_ROW_US) for x [M, K] @
+    W [N, K]^T on ``sms`` multiprocessors."""
 
     def cost(tiles: WsTiles) -> float:
         a, b, c = _COSTS[replace(tiles, split=1)]
         rounds = -(-_tiles(m, n, tiles) * tiles.split // sms)
-        return rounds * (a + b * k / STEP / tiles.split) + (c if tiles.split > 1 else 0.0)
+        shifted = tiles.block_n * tiles.block_m <= SHIFT_MAX_ELEMS
+        past_m = tiles.block_m - m if shifted else -(-m // tiles.block_m) * tiles.block_m - m
+        unit = a + b * k / STEP / tiles.split + OOB_ROW_US * max(0, past_m)
+        return rounds * unit + (c if tiles.split > 1 else 0.0)
 
     return min((replace(tiles, split=split) for tiles, (_, _, c) in _COSTS.items()
                 for split in SPLITS
-                if (split == 1 or c is not None and k % (2 * STEP * split) == 0)
-                and (m % 256 == 0 or (tiles.block_n, tiles.block_m) != (64, 256))), key=cost)
+                if split == 1 or c is not None and k % (2 * STEP * split) == 0), key=cost)
 
 
 def wint_ws_preferred(m: int) -> bool:

@@ -57,6 +57,16 @@ def test_gpu_wint_ws_tiles(bits, group, tiles):
 
 
 @gpu
+@pytest.mark.parametrize("m, tiles", [(40, ws.WsTiles(64, 64, 8)), (100, ws.WsTiles(64, 128, 8, 2)),
+                                      (330, ws.WsTiles(128, 256, 5)),
+                                      (330, ws.WsTiles(64, 256, 6))])
+def test_gpu_wint_ws_last_x_tile(m, tiles):
+    """Fewer rows than a tile (its box partly past M), and a ragged last x tile: its box ends at
+    M for 64 x 256 (the rows it shares with the tile before stored once), not for 128 x 256."""
+    _check(1000, 4096, 4, 128, m, tiles=tiles, seed=m)
+
+
+@gpu
 @pytest.mark.parametrize("bits, group", [(4, 64), (8, -1)])
 def test_gpu_wint_ws_split_k_repeats_exactly(bits, group):
     """K split 4 ways over ragged M and N (tiles past both edges): the splits' partials are
@@ -144,15 +154,16 @@ def test_ws_tiles_least_modelled_time():
     """On the H100's 132 SMs: gate_up (N = 28672) keeps 128 x 256 tiles at 512 rows; down_proj
     (K = 14336) at 128 rows splits K 4 ways over its 32 tiles of 128 x 128 (one round of 128
     units); o_proj at 64 rows takes 128 tiles of 64 x 32 in one round; qkv at 1024 rows 64 x
-    256 (384 tiles in 3 rounds), but never at a row count no multiple of 256; a K that no
-    split divides into 128-code halves is not split, even one that is no multiple of 128."""
+    256 (384 tiles in 3 rounds); a K that no split divides into 128-code halves is not split,
+    even one that is no multiple of 128."""
     assert ws.ws_tiles(512, 28672, 4096, 132) == ws.WsTiles(128, 256, 5)
     assert ws.ws_tiles(128, 4096, 14336, 132) == ws.WsTiles(128, 128, 6, split=4)
     assert ws.ws_tiles(64, 4096, 4096, 132) == ws.WsTiles(64, 32, 8)
     assert ws.ws_tiles(1024, 6144, 4096, 132) == ws.WsTiles(64, 256, 6)
-    assert all((t.block_n, t.block_m) != (64, 256)
-               for t in (ws.ws_tiles(m, n, 4096, 132) for m in (200, 384, 640)
-                         for n in (4096, 6144, 28672)))
+    # a last x tile whose box ends at M costs no more past 256 rows: 384 rows of qkv in 64 x
+    # 256; with fewer rows than a tile each row past M costs: 48 rows in 64-row tiles
+    assert ws.ws_tiles(384, 6144, 4096, 132) == ws.WsTiles(64, 256, 6)
+    assert ws.ws_tiles(48, 6144, 4096, 132).block_m == 64
     assert ws.ws_tiles(64, 4096, 384 * 3, 132).split == 1
     assert ws.ws_tiles(100, 4096, 64 * 65, 132).split == 1  # (wint_ws_applies then says no)
     # fewer SMs, fewer units a round: 100 SMs at 256 rows of qkv
