@@ -17,9 +17,10 @@ kiln/quant's ([N, K / 8] int32 or [N, K] bytes, row-major): no kernel needs a re
 Symmetric int4 and 8-bit integer codes without act-order at 16-bit x and 3 to
 wint_mma.MMA_MAX_M rows (see wint_mma_applies) skip all three for kiln/kernels/wint_mma.py
 (codes decoded straight into tensor-core operands: faster than the tile kernel and the
-dequantization there), unless the caller forces a config; at wint_ws.WS_MIN_M..WS_MAX_M
-rows, where wint_ws_preferred says so, the persistent warp-specialized Gluon kernel
-kiln/kernels/wint_ws.py takes them instead (8-bit codes up to 1024 rows, past wint_mma's 512).
+dequantization there), unless the caller forces a config; from wint_ws.WS_MIN_M (32 rows of
+8-bit codes, 48 of int4) to WS_MAX_M rows (wint_ws_preferred) the persistent warp-specialized
+Gluon kernel kiln/kernels/wint_ws.py takes them instead (8-bit codes up to 1024 rows, past
+wint_mma's 512).
 ``gated=True`` (Llama's merged gate/up projection) returns silu(gate) * up instead of y: the
 CUDA-core GEMV computes it in its epilogue, every other path runs silu_and_mul after. The bias
 goes in the word-streaming kernels' epilogue where K is not split, else it is added after.
@@ -900,7 +901,7 @@ def wint_gemm_triton(
     words = _words(qweight, bits)
     w_fp8 = qweight.dtype == FP8_DTYPE
     ws = (config is None and words is not None and zeros is None and perm is None
-          and smooth is None and not w_fp8 and wint_ws_preferred(m)
+          and smooth is None and not w_fp8 and wint_ws_preferred(m, bits)
           and wint_ws_applies(x, words, scales, bits, group))
     if ws or isinstance(config, MmaTiles) or config is None and _mma_applies(
             x, qweight, zeros, perm, bits, group_size):

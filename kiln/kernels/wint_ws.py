@@ -369,8 +369,11 @@ SPLITS = (1, 2, 4)
 # us a round per row of a box past M (fewer rows of x than a tile holds): TMA's zero fill, from
 # the rows past M in the same sweep (0.07-0.13)
 OOB_ROW_US = 0.1
-# fewer rows: wint_mma.py, or quant_gemm's tile kernel for 8-bit codes (not measured here)
-WS_MIN_M = 64
+# Rows from which this kernel takes each code width (fewer: wint_mma.py, or quant_gemm's tile
+# kernel for 8-bit codes): in the sweep, int4 at 32 rows ran 92 us a layer here against
+# wint_mma's 76, at 48 rows 102 against 155; 8-bit codes at 32 rows 102 against the tile
+# kernel's 155 (fewer rows not measured)
+WS_MIN_M = {4: 48, 8: 32}
 WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured against this kernel)
 
 
@@ -391,11 +394,11 @@ def ws_tiles(m: int, n: int, k: int, sms: int) -> WsTiles:
                 if split == 1 or c is not None and k % (2 * STEP * split) == 0), key=cost)
 
 
-def wint_ws_preferred(m: int) -> bool:
-    """Whether this kernel, at ws_tiles, beats wint_mma.py (its default tiles) for the shape:
-    at WS_MIN_M <= M <= WS_MAX_M, in the H100 sweep of Llama-3.1-8B's layers (results/h100/
-    wint_ws_split.txt)."""
-    return WS_MIN_M <= m <= WS_MAX_M
+def wint_ws_preferred(m: int, bits: int) -> bool:
+    """Whether this kernel, at ws_tiles, beats wint_mma.py (its default tiles) and quant_gemm's
+    tile kernel for M rows of ``bits``-bit codes: from WS_MIN_M to WS_MAX_M rows, in the H100
+    sweep of Llama-3.1-8B's layers (results/h100/wint_ws_split.txt)."""
+    return WS_MIN_M[bits] <= m <= WS_MAX_M
 
 
 def _x_layout():

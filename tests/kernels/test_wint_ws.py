@@ -170,24 +170,27 @@ def test_ws_tiles_least_modelled_time():
     assert ws.ws_tiles(256, 6144, 4096, 100) == ws.WsTiles(64, 256, 6)
 
 
-def test_wint_ws_preferred_by_rows():
-    """From WS_MIN_M to WS_MAX_M rows, whatever the format and shape."""
-    assert ws.wint_ws_preferred(ws.WS_MIN_M) and ws.wint_ws_preferred(ws.WS_MAX_M)
-    assert ws.wint_ws_preferred(200)
-    assert not ws.wint_ws_preferred(ws.WS_MIN_M - 1)
-    assert not ws.wint_ws_preferred(ws.WS_MAX_M + 1)
+def test_wint_ws_preferred_by_rows_and_code_width():
+    """From WS_MIN_M rows (32 of 8-bit codes, 48 of int4) to WS_MAX_M, whatever the shape."""
+    assert ws.wint_ws_preferred(32, 8) and not ws.wint_ws_preferred(32, 4)
+    assert ws.wint_ws_preferred(48, 4) and ws.wint_ws_preferred(200, 4)
+    assert ws.wint_ws_preferred(ws.WS_MAX_M, 8)
+    assert not ws.wint_ws_preferred(31, 8) and not ws.wint_ws_preferred(47, 4)
+    assert not ws.wint_ws_preferred(ws.WS_MAX_M + 1, 4)
 
 
 @gpu
 @pytest.mark.parametrize("bits, group, n, k, m, taken", [
     (4, 128, 4096, 4096, 512, True), (8, -1, 4096, 14336, 1024, True),
     (4, 128, 16384, 4096, 384, True), (8, -1, 4096, 4096, 128, True),
-    (4, 128, 4096, 4096, 48, False), (8, -1, 4096, 4096, 2048, False),
+    (4, 128, 4096, 4096, 40, False), (8, -1, 4096, 4096, 2048, False),
+    (8, -1, 4096, 4096, 32, True),
 ])  # fmt: skip
 def test_gpu_quant_gemm_dispatches_to_wint_ws(monkeypatch, bits, group, n, k, m, taken):
-    """quant_gemm's fused path takes this kernel where wint_ws_preferred says so (64 to 1024
-    rows: 8-bit codes at 1024 rows too, past wint_mma's range; not at 48 rows, nor at 2048,
-    where the weights are dequantized for cuBLAS), and the result matches float64 math."""
+    """quant_gemm's fused path takes this kernel where wint_ws_preferred says so (up to 1024
+    rows: 8-bit codes at 1024 rows too, past wint_mma's range; not int4 at 40 rows, nor 2048
+    rows, where the weights are dequantized for cuBLAS), and the result matches float64
+    math."""
     calls = []
     real = qg.wint_ws_gemm
     monkeypatch.setattr(qg, "wint_ws_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
