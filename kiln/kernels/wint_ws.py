@@ -1,6 +1,6 @@
-"""Persistent, warp-specialized tensor-core weight-only GEMM for large decode batches (Gluon,
-sm_90): wint_mma.py's formats (symmetric int4 codes, group-wise or per channel, and symmetric
-8-bit codes per channel) and its math, in the structure cuBLAS uses for bf16.
+"""Persistent, warp-specialized tensor-core weight-only GEMM for decode batches of 32-48 to 1024
+rows (Gluon, sm_90): wint_mma.py's formats (symmetric int4 codes, group-wise or per channel, and
+symmetric 8-bit codes per channel) and its math, in the structure cuBLAS uses for bf16.
 
     out^T [N, M] = W [N, K] @ x^T [K, M],   W[n, k] = (u[n, k] - 2^(b - 1)) s[n, k // G]
 
@@ -8,15 +8,20 @@ Why a second kernel: past 256 rows wint_mma's Triton kernel runs at 0.65-0.80x o
 (benchmarks/results/h100/wint_mma_stream_k.txt). Its decode costs only 2-5%; what it lacks is
 cuBLAS's structure: one program per tile leaves a partial last wave idle, and the warps that
 decode and multiply also issue x's cp.async loads and meet at a barrier every K step (tensor
-pipe busy 75% of active cycles against cuBLAS's 99%). Here:
+pipe busy 75% of active cycles against cuBLAS's 99%). Under Triton 3.6 it also waits out every
+K step (wint_mma.retire_each_step), and from 32-48 rows this kernel beats it
+(results/h100/wint_ws_split.txt). Here:
 
-- one program per SM walks tiles pid, pid + programs, ... with x tiles fastest, so the programs
-  that share a tile of W run at the same time and read it from HBM once;
+- one program per SM walks units pid, pid + programs, ...: a unit is an output tile's K, or
+  one of ``split`` slices of it where W has too few tiles to fill the SMs; x tiles vary
+  fastest, then the split, so the programs that share a tile of W run at the same time and
+  read it from HBM once. A split tile's last unit to arrive adds the float32 partials in split
+  order (_store_split);
 - a producer warp streams each K step's x tile ([BLOCK_M, 64] 16-bit, 128-byte swizzle) and
   code words ([BLOCK_N, 64 codes] as int32) by TMA into a ring of NUM_STAGES buffers, each
-  completing a "ready" mbarrier. It runs ahead across tiles, so the next tile's loads overlap
-  this tile's epilogue. Rows of x past M and of W past N arrive as zeros (TMA's fill) and their
-  outputs are not stored;
+  completing a "ready" mbarrier. It runs ahead across units, so the next unit's loads overlap
+  this unit's epilogue. Rows of W past N arrive as zeros (TMA's fill) and their outputs are not
+  stored; the last x tile's box ends at M where it can (_x_start);
 - one or two consumer warpgroups (64 rows of W each, one partition) load words from shared
   memory in a layout where each thread holds exactly the words of its wgmma A fragment
   (``_decode_layout``), decode its pair of codes of each word (wint_mma's prmt / lop3 / fma asm)

@@ -330,10 +330,10 @@ def test_programmatic_dependent_launch_changes_no_token(quantization, monkeypatc
 
 
 def test_int8_large_batch_decode_through_wint_ws_changes_no_token_with_pdl(monkeypatch):
-    """300 requests decoding together: W8A16's GEMMs at 64+ rows run the persistent Gluon
-    kernel (kiln/kernels/wint_ws.py: its TMA descriptors baked into the CUDA graphs, its
-    producer waiting for the kernel before it), the LM head's float32 logits wint_mma's ragged
-    x tiles. The tokens with and without PDL are identical, and the Gluon kernel ran."""
+    """300 requests decoding together: W8A16's GEMMs from 32 rows, the LM head's float32 logits
+    included, run the persistent Gluon kernel (kiln/kernels/wint_ws.py: its TMA descriptors
+    baked into the CUDA graphs, its producer waiting for the kernel before it). The tokens with
+    and without PDL are identical, and the Gluon kernel ran."""
     from kiln.kernels import quant_gemm
 
     calls = []
