@@ -403,7 +403,7 @@ def wint_ws_preferred(m: int, bits: int) -> bool:
     """Whether this kernel, at ws_tiles, beats wint_mma.py (its default tiles) and quant_gemm's
     tile kernel for M rows of ``bits``-bit codes: from WS_MIN_M to WS_MAX_M rows, in the H100
     sweep of Llama-3.1-8B's layers (results/h100/wint_ws_split.txt)."""
-    return WS_MIN_M[bits] <= m <= WS_MAX_M
+    return bits in WS_MIN_M and WS_MIN_M[bits] <= m <= WS_MAX_M
 
 
 def _x_layout():

@@ -177,6 +177,7 @@ def test_wint_ws_preferred_by_rows_and_code_width():
     assert ws.wint_ws_preferred(ws.WS_MAX_M, 8)
     assert not ws.wint_ws_preferred(31, 8) and not ws.wint_ws_preferred(47, 4)
     assert not ws.wint_ws_preferred(ws.WS_MAX_M + 1, 4)
+    assert not ws.wint_ws_preferred(128, 2)  # a code width it does not decode
 
 
 @gpu
