@@ -102,10 +102,9 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
                    x, packed(a[0]), a[1], None, bits, g)),
                dequant_us=checked(lambda a: lambda: x @ wint_dequant_triton(
                    packed(a[0]), a[1], None, bits, g, x.dtype).t()))
-    for t in ws_tiles:
-        if k % (2 * ws.STEP * t.split) == 0:
-            row[f"ws {t.block_n}x{t.block_m}s{t.stages}k{t.split}"] = checked(
-                lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
+    for t in ws_tiles:  # (a split K does not divide: wint_ws_gemm's assertion, recorded)
+        row[f"ws {t.block_n}x{t.block_m}s{t.stages}k{t.split}"] = checked(
+            lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
     if with_ws:
         picked = ws.ws_tiles(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
         row["ws_default"] = str(picked)
@@ -133,7 +132,8 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--default-only", action="store_true",
                         help="time wint_mma_tiles' picks only (and bf16)")
-    parser.add_argument("--ws", action="store_true", help="also time wint_ws at WS_TILES")
+    parser.add_argument("--ws", action="store_true",
+                        help="also time wint_ws at --ws-tiles and at ws_tiles' pick")
     parser.add_argument("--ws-tiles", default=",".join(f"{n}x{m}s{s}" for n, m, s in WS_TILES),
                         help="with --ws: wint_ws tilings, rows of W x rows of x s stages "
                              "[k split], as 128x64s8k4; empty: ws_tiles' pick only")
@@ -142,7 +142,7 @@ def main() -> None:
         parser.error("--ws: this tree's kiln has no kiln/kernels/wint_ws.py")
     tiling = re.compile(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?")
     ws_tiles = tuple(ws.WsTiles(*(int(v or 1) for v in tiling.fullmatch(t).groups()))
-                     for t in args.ws_tiles.split(",") if t)
+                     for t in args.ws_tiles.split(",") if t) if args.ws else ()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name in args.shapes.split(","):

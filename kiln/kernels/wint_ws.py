@@ -396,7 +396,7 @@ def ws_tiles(m: int, n: int, k: int, sms: int) -> WsTiles:
 
     return min((replace(tiles, split=split) for tiles, (_, _, c) in _COSTS.items()
                 for split in SPLITS
-                if split == 1 or c is not None and k % (2 * STEP * split) == 0), key=cost)
+                if split == 1 or c is not None and _splits_k(k, split)), key=cost)
 
 
 def wint_ws_preferred(m: int, bits: int) -> bool:
@@ -430,6 +430,11 @@ def _out_width(n: int) -> int:
     return -(-n // 16) * 16
 
 
+def _splits_k(k: int, split: int) -> bool:
+    """Whether K splits ``split`` ways into whole two-step loop passes."""
+    return k % (2 * STEP * split) == 0
+
+
 def _tiles(m: int, n: int, tiles: WsTiles) -> int:
     """Output tiles: x tiles x W tiles."""
     return -(-m // tiles.block_m) * -(-n // tiles.block_n)
@@ -460,7 +465,7 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
             and words.dtype == torch.int32 and words.is_contiguous()
-            and words.data_ptr() % 16 == 0 and k % (2 * STEP * tiles.split) == 0
+            and words.data_ptr() % 16 == 0 and _splits_k(k, tiles.split)
             and (bits == 4 and (per_channel or group in (64, 128) and k % group == 0)
                  or bits == 8 and per_channel)
             and scales.stride(1) == 1 and scales.dtype == x.dtype
