@@ -2,7 +2,7 @@
 the Llama-3.1-8B layer shapes, next to bf16 cuBLAS; JSON out, one line a (layer, bits, M).
 
     PYTHONPATH=. python3 benchmarks/wint_mma_sweep.py --out F [--ms 16,32,64,128,256,512,1024]
-        [--default-only] [--ws]
+        [--default-only] [--ws [--ws-tiles T,...] [--ws-only]] [--shapes S,...] [--bits 4,8]
 
 Whichever kiln is first on the path is swept, so two trees compare on one machine (an older
 tree's kiln first on PYTHONPATH, with --default-only: its wint_mma_tiles picks). Weights are
@@ -15,8 +15,9 @@ two >= M rows (at most MMA_X_TILE_MAX) or half that, 4 or 8 warps, 3 or 4 stages
 split _split picks ("*" in its key), half and twice it. Each row also times what the library
 runs at that M (quant_gemm.wint_linear_triton: dequantize + cuBLAS past MMA_MAX_M) and
 dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against. --ws adds the persistent
-Gluon kernel (kiln/kernels/wint_ws.py) at each of WS_TILES or --ws-tiles ("ws 128x256s4": rows
-of W x rows of x, stages, K split), and at ws_tiles' pick, checked the same way.
+Gluon kernel (kiln/kernels/wint_ws.py) at each of WS_TILES or --ws-tiles ("ws 128x256s4k1":
+rows of W x rows of x, stages, K split or "sk" for stream-K), and at ws_tiles' pick, checked the
+same way.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def candidates(m: int, bits: int, k_step: int) -> list[MmaTiles]:
 
 def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generator,
               dense: torch.Tensor, default_only: bool,
-              with_ws: bool = False, ws_tiles: tuple[ws.WsTiles, ...] = ()) -> dict:
+              with_ws: bool = False, ws_tiles: tuple[ws.WsTiles, ...] = (),
+              ws_only: bool = False) -> dict:
     words, scales = make_weight(n, k, bits, group, gen)
     g = group or k
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -94,23 +96,24 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
     def timed(tiles: MmaTiles | None) -> float | str:
         return checked(lambda a: lambda: wm.wint_mma_gemm(x, a[0], a[1], bits, g, tiles=tiles))
 
-    row = dict(bits=bits, m=m, default=str(wm.wint_mma_tiles(m, n, k, g, bits, x.device)),
-               bf16_us=time_graph_us(rotating([dense], lambda a: lambda: x @ a[0].t()),
-                                     dense.numel() * 2),
-               default_us=timed(None),
-               library_us=checked(lambda a: lambda: wint_linear_triton(
-                   x, packed(a[0]), a[1], None, bits, g)),
-               dequant_us=checked(lambda a: lambda: x @ wint_dequant_triton(
-                   packed(a[0]), a[1], None, bits, g, x.dtype).t()))
+    row = dict(bits=bits, m=m, bf16_us=time_graph_us(
+        rotating([dense], lambda a: lambda: x @ a[0].t()), dense.numel() * 2))
+    if not ws_only:
+        row.update(default=str(wm.wint_mma_tiles(m, n, k, g, bits, x.device)),
+                   default_us=timed(None),
+                   library_us=checked(lambda a: lambda: wint_linear_triton(
+                       x, packed(a[0]), a[1], None, bits, g)),
+                   dequant_us=checked(lambda a: lambda: x @ wint_dequant_triton(
+                       packed(a[0]), a[1], None, bits, g, x.dtype).t()))
     for t in ws_tiles:  # (a split K does not divide: wint_ws_gemm's assertion, recorded)
-        row[f"ws {t.block_n}x{t.block_m}s{t.stages}k{t.split}"] = checked(
+        row[f"ws {t.name}"] = checked(
             lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
     if with_ws:
         picked = ws.ws_tiles(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
         row["ws_default"] = str(picked)
         row["ws_default_us"] = checked(
             lambda a: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=picked))
-    if default_only:
+    if default_only or ws_only:
         return row
     k_step = g if g < k else wm._per_channel_step(k)
     for t in candidates(m, bits, k_step):
@@ -136,22 +139,35 @@ def main() -> None:
                         help="also time wint_ws at --ws-tiles and at ws_tiles' pick")
     parser.add_argument("--ws-tiles", default=",".join(f"{n}x{m}s{s}" for n, m, s in WS_TILES),
                         help="with --ws: wint_ws tilings, rows of W x rows of x s stages "
-                             "[k split], as 128x64s8k4; empty: ws_tiles' pick only")
+                             "[k split | sk: stream-K], as 128x64s8k4, 128x256s5sk; empty: "
+                             "ws_tiles' pick only")
+    parser.add_argument("--ws-only", action="store_true",
+                        help="with --ws: time wint_ws and bf16 only (not wint_mma, the library's "
+                             "path, dequantize + cuBLAS)")
+    parser.add_argument("--bits", default="4,8", help="code widths: int4 g128, 8-bit per channel")
     args = parser.parse_args()
     if args.ws and ws is None:
         parser.error("--ws: this tree's kiln has no kiln/kernels/wint_ws.py")
-    tiling = re.compile(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?")
-    ws_tiles = tuple(ws.WsTiles(*(int(v or 1) for v in tiling.fullmatch(t).groups()))
-                     for t in args.ws_tiles.split(",") if t) if args.ws else ()
+    tiling = re.compile(r"(\d+)x(\d+)s(\d+)(?:k(\d+)|(sk))?")
+
+    def parsed(name: str) -> ws.WsTiles:
+        block_n, block_m, stages, split, stream_k = tiling.fullmatch(name).groups()
+        return ws.WsTiles(int(block_n), int(block_m), int(stages), int(split or 1),
+                          stream_k is not None)
+
+    ws_tiles = tuple(parsed(t) for t in args.ws_tiles.split(",") if t) if args.ws else ()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         dense = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
         for bits, group in FORMATS:
+            if str(bits) not in args.bits.split(","):
+                continue
             for m in (int(v) for v in args.ms.split(",")):
                 row = dict(shape=name, **sweep_one(n, k, bits, group, m, gen, dense,
-                                                   args.default_only, args.ws, ws_tiles))
+                                                   args.default_only, args.ws, ws_tiles,
+                                                   args.ws_only))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 with open(args.out, "w") as f:  # after every row: a cut-short run keeps its data

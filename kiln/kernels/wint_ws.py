@@ -98,6 +98,11 @@ class WsTiles:
             raise ValueError(f"split={self.split}: 1, 2, 4 or 8")
 
     @property
+    def name(self) -> str:
+        """As benchmarks/wint_mma_sweep.py's --ws-tiles takes it: 128x64s8k4."""
+        return f"{self.block_n}x{self.block_m}s{self.stages}k{self.split}"
+
+    @property
     def consumers(self) -> int:
         """Consumer warpgroups (64 rows of W each)."""
         return self.block_n // 64
@@ -249,6 +254,13 @@ def _step(smem, s_rows, acc, count, step, first, BITS: ttgl.constexpr,
 
 
 @jit
+def _out_mask(rows, cols, x_tile, M, N, BLOCK_M: ttgl.constexpr):
+    """Which of the output tile's [rows, cols] to store: nothing past N or M, nor the last x
+    tile's columns of the tile before it."""
+    return (rows < N)[:, None] & ((cols >= x_tile * BLOCK_M) & (cols < M))[None, :]
+
+
+@jit
 def _store_split(acc, parts, counter, out, mask, part, local, SPLIT: ttgl.constexpr,
                  TILE: ttgl.constexpr):
     """A split unit's float32 partial ``acc`` into the tile's ``parts`` [SPLIT, TILE] (at
@@ -263,6 +275,16 @@ def _store_split(acc, parts, counter, out, mask, part, local, SPLIT: ttgl.conste
             acc += ttgl.load(parts + j * TILE + local, cache_modifier=".cg")
         ttgl.store(out, acc.to(out.dtype.element_ty), mask=mask)
         ttgl.atomic_xchg(counter, 0)
+
+
+@constexpr_function
+def _out_layout(block_n):
+    """The output's layout for its store, [block_n, any] (W rows x x rows): each thread 8 rows of
+    W of one row of x, 16 contiguous bytes of out^T; each warp 16 rows of W, the rows it holds in
+    the wgmma's layout, so converting to it stays within the warp (through a few KB of shared
+    memory, 16 rows of x at a time). In the wgmma's layout each thread held single 16-bit
+    values 8 rows apart, one store each."""
+    return ttgl.BlockedLayout([8, 1], [2, 16], [int(block_n) // 16, 1], [0, 1])
 
 
 @jit
@@ -289,6 +311,9 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     rows_a = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(1, A))
     rows_c = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(1, MMA))
     cols_c = ttgl.arange(0, BLOCK_M, layout=ttgl.SliceLayout(0, MMA))
+    OUT: ttgl.constexpr = _out_layout(BLOCK_N)
+    rows_o = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(1, OUT))
+    cols_o = ttgl.arange(0, BLOCK_M, layout=ttgl.SliceLayout(0, OUT))
     steps = KW // STEP_W // SPLIT  # even (wint_ws_applies)
     count = 0
     for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
@@ -314,21 +339,26 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
         if GROUP_STEPS == 0:  # per channel
             scale = ttgl.load(s_ptr + ttgl.minimum(rows, N - 1).to(ttgl.int64) * stride_sn)
             acc = acc * scale.to(ttgl.float32)[:, None]
-        cols = m0 + cols_c
         # 32-bit offsets (wint_ws_applies): 64-bit pointers a value spill in this epilogue
-        out = out_ptr + (cols[None, :] * stride_om + rows[:, None])
-        # nothing past M, nor the last tile's columns of the tile before it
-        mask = (rows < N)[:, None] & ((cols >= x_tile * BLOCK_M) & (cols < M))[None, :]
         if SPLIT == 1:
-            ttgl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            out_rows = row0 + rows_o
+            out_cols = m0 + cols_o
+            ttgl.store(out_ptr + (out_cols[None, :] * stride_om + out_rows[:, None]),
+                       ttgl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT),
+                       mask=_out_mask(out_rows, out_cols, x_tile, M, N, BLOCK_M))
         else:
             TILE: ttgl.constexpr = BLOCK_N * BLOCK_M
-            _store_split(acc, part_ptr + tile.to(ttgl.int64) * (SPLIT * TILE),
-                         count_ptr + tile, out, mask, part,
-                         rows_c[:, None] * BLOCK_M + cols_c[None, :], SPLIT, TILE)
+            cols = m0 + cols_c
+            _store_split(acc, part_ptr + tile.to(ttgl.int64) * (SPLIT * TILE), count_ptr + tile,
+                         out_ptr + (cols[None, :] * stride_om + rows[:, None]),
+                         _out_mask(rows, cols, x_tile, M, N, BLOCK_M),
+                         part, rows_c[:, None] * BLOCK_M + cols_c[None, :], SPLIT, TILE)
 
 
-@jit
+# M and the unit counts as any int32 (no variant per batch size: fewer compiles while the engine
+# captures its graphs), as compile_sm90 builds the kernel the SASS tests read; N specialized (a
+# model's few widths): N divisible by 16 lets the store mask 8 rows at a time
+@jit(do_not_specialize=["M", "x_tiles", "num_units"])
 def _wint_ws_kernel(
     x_desc, w_desc, s_ptr, out_ptr, part_ptr, count_ptr, M, N, KW, stride_sn, stride_om,
     x_tiles, num_units,
@@ -441,9 +471,10 @@ def _tiles(m: int, n: int, tiles: WsTiles) -> int:
 
 
 def smem_bytes(bits: int, tiles: WsTiles) -> int:
-    """The ring and its barriers."""
-    return tiles.stages * (tiles.block_m * STEP * 2 + tiles.block_n * STEP * bits // 8
-                           + 16)
+    """The ring and its barriers, and the scratch of the store's layout conversion (measured:
+    16 rows of x at a time)."""
+    return (tiles.stages * (tiles.block_m * STEP * 2 + tiles.block_n * STEP * bits // 8 + 16)
+            + tiles.block_n * 32)
 
 
 def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -508,8 +539,8 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
 
 def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
                  dtype: str = "bf16", use_pdl: bool = True):
-    """The kernel compiled for sm_90 on any host (kiln.kernels._gluon.compile_sm90); M and N
-    unspecialized (any row counts)."""
+    """The kernel compiled for sm_90 on any host (kiln.kernels._gluon.compile_sm90) as it is
+    launched: M and the unit counts unspecialized (any row counts), N divisible by 16."""
     tiles = tiles or WsTiles()
     step_w = STEP * bits // 32
     sig = {"x_desc": f"tensordesc<{dtype}[{tiles.block_m}, {STEP}],{_x_layout()!r}>",
@@ -519,7 +550,7 @@ def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
            "stride_om": "i32", "x_tiles": "i32", "num_units": "i32"}
     return _gluon.compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles, use_pdl),
                                4 * tiles.consumers, maxnreg=_maxnreg(tiles),
-                               unspecialized=("M", "N", "x_tiles", "num_units"))
+                               unspecialized=("M", "x_tiles", "num_units"))
 
 
 def _maxnreg(tiles: WsTiles) -> int:
