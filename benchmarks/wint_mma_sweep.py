@@ -16,8 +16,7 @@ split _split picks ("*" in its key), half and twice it. Each row also times what
 runs at that M (quant_gemm.wint_linear_triton: dequantize + cuBLAS past MMA_MAX_M) and
 dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against. --ws adds the persistent
 Gluon kernel (kiln/kernels/wint_ws.py) at each of WS_TILES or --ws-tiles ("ws 128x256s4k1":
-rows of W x rows of x, stages, K split or "sk" for stream-K), and at ws_tiles' pick, checked the
-same way.
+rows of W x rows of x, stages, K split), and at ws_tiles' pick, checked the same way.
 """
 
 from __future__ import annotations
@@ -139,8 +138,7 @@ def main() -> None:
                         help="also time wint_ws at --ws-tiles and at ws_tiles' pick")
     parser.add_argument("--ws-tiles", default=",".join(f"{n}x{m}s{s}" for n, m, s in WS_TILES),
                         help="with --ws: wint_ws tilings, rows of W x rows of x s stages "
-                             "[k split | sk: stream-K], as 128x64s8k4, 128x256s5sk; empty: "
-                             "ws_tiles' pick only")
+                             "[k split], as 128x64s8k4; empty: ws_tiles' pick only")
     parser.add_argument("--ws-only", action="store_true",
                         help="with --ws: time wint_ws and bf16 only (not wint_mma, the library's "
                              "path, dequantize + cuBLAS)")
@@ -148,14 +146,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.ws and ws is None:
         parser.error("--ws: this tree's kiln has no kiln/kernels/wint_ws.py")
-    tiling = re.compile(r"(\d+)x(\d+)s(\d+)(?:k(\d+)|(sk))?")
-
-    def parsed(name: str) -> ws.WsTiles:
-        block_n, block_m, stages, split, stream_k = tiling.fullmatch(name).groups()
-        return ws.WsTiles(int(block_n), int(block_m), int(stages), int(split or 1),
-                          stream_k is not None)
-
-    ws_tiles = tuple(parsed(t) for t in args.ws_tiles.split(",") if t) if args.ws else ()
+    tiling = re.compile(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?")
+    ws_tiles = tuple(ws.WsTiles(*(int(v or 1) for v in tiling.fullmatch(t).groups()))
+                     for t in args.ws_tiles.split(",") if t) if args.ws else ()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name in args.shapes.split(","):
