@@ -131,7 +131,8 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, tmp_pat
     steps of 4 wgmmas of 64 x block_m x 16 with the decoded weights in registers, each left in
     flight over the next step's decode (the wait leaves one group pending, so ptxas did not
     serialize them), no instruction touching an in-flight wgmma's operand or accumulator
-    registers anywhere in the kernel, and no local memory."""
+    registers anywhere in the kernel, no local memory, and (K not split) 16-byte stores of the
+    output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, SM90_COMPILE, "wint_ws", "--bits", str(bits),
                           "--group", str(group), "--block-n", str(block_n),
@@ -148,6 +149,9 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, tmp_pat
     assert loop.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 2, loop
     assert report["wgmma_hazards"] == []
     assert report["spill_stack_bytes"] == 0
+    if split == 1:  # the output stored 8 rows of W (16 bytes) at a time, not value by value
+        sass = (tmp_path / "wint_ws.sass").read_text()
+        assert "STG.E.128" in sass and "STG.E.U16" not in sass
 
 
 def test_ws_tiles_least_modelled_time():
