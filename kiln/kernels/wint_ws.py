@@ -27,7 +27,8 @@ K step (wint_mma.retire_each_step), and from 32-48 rows this kernel beats it
   (``_decode_layout``), decode its pair of codes of each word (wint_mma's prmt / lop3 / fma asm)
   straight into the register operand, multiply by x in shared memory and release the stage
   ("empty" mbarrier) once that wgmma is done. Each step's wgmma runs while the next step
-  decodes (see _consume for what that takes from ptxas).
+  decodes (see _consume for what that takes from ptxas). A whole tile's output is stored from
+  a layout of 8 rows of W a thread, 16 bytes at a time (_out_layout).
 
 Group scales (64 or 128 codes) multiply the decoded weights (rounded to x's dtype, as the
 dequantized reference's); per-channel scales multiply the accumulator once at the end.
