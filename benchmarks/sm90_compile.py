@@ -7,15 +7,16 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
         [--stages 3] [--k-step 128] [--per-channel] [--split 2] [--ragged-m]
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8] [--pdl]
     python3 benchmarks/sm90_compile.py wint_ws --bits 4 --group 128 --block-n 128 --block-m 256
-        --stages 4  (the Gluon kernel: its own compile, M and N unspecialized)
+        --stages 4  (the Gluon kernel, compiled as launched: M unspecialized, N divisible by 16)
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
     ... [--unspecialized M,stride_om]
 
-Integer arguments are compiled as a launch specializes them (divisible by 16), except those named
-by --unspecialized (default M: the GEMM keeps it unspecialized; for wint_mma: a batch size that is
-not a multiple of 16; add e.g. stride_om for an output row of a width that is not). Triton's
-ptxas and nvdisasm do the work: whichever triton is first on the path is used (put the device's
-version first to see what it compiles).
+Integer arguments of the Triton kernels are compiled as a launch specializes them (divisible by
+16), except those named by --unspecialized (default M: the GEMM keeps it unspecialized; for
+wint_mma: a batch size that is not a multiple of 16; add e.g. stride_om for an output row of a
+width that is not); wint_ws is compiled as it is launched. Triton's ptxas and nvdisasm do the
+work: whichever triton is first on the path is used (put the device's version first to see what
+it compiles).
 """
 
 from __future__ import annotations
