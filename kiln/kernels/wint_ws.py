@@ -357,9 +357,12 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
 
 
 # M and the unit counts as any int32 (no variant per batch size: fewer compiles while the engine
-# captures its graphs), as compile_sm90 builds the kernel the SASS tests read; N specialized (a
-# model's few widths): N divisible by 16 lets the store mask 8 rows at a time
-@jit(do_not_specialize=["M", "x_tiles", "num_units"])
+# captures its graphs), at launch and in compile_sm90 (the kernel the SASS tests read); N
+# specialized (a model's few widths): N divisible by 16 lets the store mask 8 rows at a time
+_UNSPECIALIZED = ("M", "x_tiles", "num_units")
+
+
+@jit(do_not_specialize=list(_UNSPECIALIZED))
 def _wint_ws_kernel(
     x_desc, w_desc, s_ptr, out_ptr, part_ptr, count_ptr, M, N, KW, stride_sn, stride_om,
     x_tiles, num_units,
@@ -551,7 +554,7 @@ def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
            "stride_om": "i32", "x_tiles": "i32", "num_units": "i32"}
     return _gluon.compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles, use_pdl),
                                4 * tiles.consumers, maxnreg=_maxnreg(tiles),
-                               unspecialized=("M", "x_tiles", "num_units"))
+                               unspecialized=_UNSPECIALIZED)
 
 
 def _maxnreg(tiles: WsTiles) -> int:
