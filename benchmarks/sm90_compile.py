@@ -118,6 +118,8 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--split", type=int, default=1, help="programs sharing K")
+    parser.add_argument("--block-m2", type=int, default=0,
+                        help="wint_ws: a second wgmma's rows of x (tiles of --block-m + this)")
     for flag in ("per-channel", "ragged-m", "fp8", "pdl", "out-fp32"):
         parser.add_argument(f"--{flag}", action="store_true")
     parser.add_argument("--dump", help="a directory for the TTGIR, PTX and SASS")
@@ -127,7 +129,8 @@ def main() -> None:
     a.block_m = a.block_m or (64 if a.kernel == "gemm" else 256)
     if a.kernel == "wint_ws":
         kernel = wint_ws.compile_sm90(a.bits, a.group, a.k,
-                                      wint_ws.WsTiles(a.block_n, a.block_m, a.stages, a.split))
+                                      wint_ws.WsTiles(a.block_n, a.block_m, a.stages, a.split,
+                                                      a.block_m2))
     else:
         kernel = _compile_triton(parser, a)
     registers, spill_bytes, sass = machine_code(kernel)

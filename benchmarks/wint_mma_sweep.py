@@ -138,7 +138,8 @@ def main() -> None:
                         help="also time wint_ws at --ws-tiles and at ws_tiles' pick")
     parser.add_argument("--ws-tiles", default=",".join(f"{n}x{m}s{s}" for n, m, s in WS_TILES),
                         help="with --ws: wint_ws tilings, rows of W x rows of x s stages "
-                             "[k split], as 128x64s8k4; empty: ws_tiles' pick only")
+                             "[k split], as 128x64s8k4, or two wgmmas' rows of x as "
+                             "128x128+32s6; empty: ws_tiles' pick only")
     parser.add_argument("--ws-only", action="store_true",
                         help="with --ws: time wint_ws and bf16 only (not wint_mma, the library's "
                              "path, dequantize + cuBLAS)")
@@ -146,9 +147,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.ws and ws is None:
         parser.error("--ws: this tree's kiln has no kiln/kernels/wint_ws.py")
-    tiling = re.compile(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?")
-    ws_tiles = tuple(ws.WsTiles(*(int(v or 1) for v in tiling.fullmatch(t).groups()))
-                     for t in args.ws_tiles.split(",") if t) if args.ws else ()
+    tiling = re.compile(r"(\d+)x(\d+)(?:\+(\d+))?s(\d+)(?:k(\d+))?")
+
+    def parsed(name: str) -> ws.WsTiles:
+        block_n, block_m, block_m2, stages, split = tiling.fullmatch(name).groups()
+        return ws.WsTiles(int(block_n), int(block_m), int(stages), int(split or 1),
+                          int(block_m2 or 0))
+
+    ws_tiles = tuple(parsed(t) for t in args.ws_tiles.split(",") if t) if args.ws else ()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name in args.shapes.split(","):

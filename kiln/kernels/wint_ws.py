@@ -81,12 +81,16 @@ _SHIFT_MAX_ELEMS = ttgl.constexpr(SHIFT_MAX_ELEMS) if HAS_GLUON else SHIFT_MAX_E
 class WsTiles:
     """block_n rows of W a tile (64 a consumer warpgroup), block_m rows of x a tile
     (the wgmma's N: a multiple of 16 up to 256), stages ring buffers, split programs sharing
-    a tile's K (a power of two: each takes K / split)."""
+    a tile's K (a power of two: each takes K / split). block_m2: a second wgmma's rows of x
+    on the same decoded weights (a multiple of 16, less than block_m; 0: none), for tiles of
+    rows that are no power of two (Gluon's register tensors and TMA boxes are): 160 = 128 + 32,
+    192 = 128 + 64, 320 = 256 + 64; K not split."""
 
     block_n: int = 128
     block_m: int = 256
     stages: int = 5
     split: int = 1
+    block_m2: int = 0
 
     def __post_init__(self):
         if self.block_n not in (64, 128):
@@ -97,11 +101,22 @@ class WsTiles:
             raise ValueError(f"stages={self.stages}: 2..8")
         if self.split not in (1, 2, 4, 8):
             raise ValueError(f"split={self.split}: 1, 2, 4 or 8")
+        if self.block_m2 % 16 or not 0 <= self.block_m2 < self.block_m:
+            raise ValueError(f"block_m2={self.block_m2}: 0 or a multiple of 16 less than "
+                             f"block_m={self.block_m}")
+        if self.block_m2 and self.split > 1:
+            raise ValueError(f"block_m2={self.block_m2} with split={self.split}: K not split")
+
+    @property
+    def rows(self) -> int:
+        """Rows of x a tile."""
+        return self.block_m + self.block_m2
 
     @property
     def name(self) -> str:
-        """As benchmarks/wint_mma_sweep.py's --ws-tiles takes it: 128x64s8k4."""
-        return f"{self.block_n}x{self.block_m}s{self.stages}k{self.split}"
+        """As benchmarks/wint_mma_sweep.py's --ws-tiles takes it: 128x64s8k4, 128x128+32s6k1."""
+        second = f"+{self.block_m2}" if self.block_m2 else ""
+        return f"{self.block_n}x{self.block_m}{second}s{self.stages}k{self.split}"
 
     @property
     def consumers(self) -> int:
@@ -180,15 +195,16 @@ def _unit(unit, x_tiles, SPLIT: ttgl.constexpr):
 
 
 @jit
-def _x_start(x_tile, M, BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr):
-    """The first row of x tile ``x_tile``'s box. In tiles of at most SHIFT_MAX_ELEMS, the last
-    one's ends at row M where M holds a whole box (its rows before x_tile * BLOCK_M belong to
-    the tile before it and are not stored again): a box partly past M made the GEMM slower in
-    proportion to its rows past M (TMA's zero fill; results/h100/wint_ws_split.txt)."""
-    if BLOCK_N * BLOCK_M <= _SHIFT_MAX_ELEMS:
-        return ttgl.minimum(x_tile * BLOCK_M, ttgl.maximum(M - BLOCK_M, 0))
+def _x_start(x_tile, M, BLOCK_N: ttgl.constexpr, X_ROWS: ttgl.constexpr):
+    """The first row of x tile ``x_tile``'s box (X_ROWS rows). In tiles of at most
+    SHIFT_MAX_ELEMS, the last one's ends at row M where M holds a whole box (its rows before
+    x_tile * X_ROWS belong to the tile before it and are not stored again): a box partly past M
+    made the GEMM slower in proportion to its rows past M (TMA's zero fill;
+    results/h100/wint_ws_split.txt)."""
+    if BLOCK_N * X_ROWS <= _SHIFT_MAX_ELEMS:
+        return ttgl.minimum(x_tile * X_ROWS, ttgl.maximum(M - X_ROWS, 0))
     else:
-        return x_tile * BLOCK_M
+        return x_tile * X_ROWS
 
 
 # Every partition takes the same arguments (worker partitions share one signature): the TMA
@@ -196,14 +212,15 @@ def _x_start(x_tile, M, BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr):
 # and sizes as tuples, then the constexprs.
 @jit
 def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
-             BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
-             NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr, USE_PDL: ttgl.constexpr):
+             BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, BLOCK_M2: ttgl.constexpr,
+             STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr,
+             USE_PDL: ttgl.constexpr):
     """The producer warp: every unit's K steps, x and words by TMA into the ring. With PDL it
     waits for the previous kernel (x is its output) before its first load, then lets the next
     kernel launch; the consumers store nothing (out, partials, counters) before their first
     stage arrives, so after that wait too."""
-    x_desc, w_desc = descs
-    x_bufs, w_bufs, ready, empty = smem
+    x_desc, x2_desc, w_desc = descs
+    x_bufs, x2_bufs, w_bufs, ready, empty = smem
     M, N, KW, stride_sn, stride_om, x_tiles, num_units = sizes
     if USE_PDL:
         gdc(True)
@@ -211,33 +228,39 @@ def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
         ttgl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [],
                                     dtype=ttgl.int32, is_pure=False, pack=1)
         gdc(False)
-    nbytes: ttgl.constexpr = BLOCK_M * _STEP * 2 + BLOCK_N * STEP_W * 4
+    X_ROWS: ttgl.constexpr = BLOCK_M + BLOCK_M2
+    nbytes: ttgl.constexpr = X_ROWS * _STEP * 2 + BLOCK_N * STEP_W * 4
     kw_split = KW // SPLIT
     count = 0
     for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
         _, x_tile, w_tile, part = _unit(unit, x_tiles, SPLIT)
-        m0 = _x_start(x_tile, M, BLOCK_N, BLOCK_M)
+        m0 = _x_start(x_tile, M, BLOCK_N, X_ROWS)
         row0 = w_tile * BLOCK_N
         for kw0 in range(part * kw_split, (part + 1) * kw_split, STEP_W):
             stage = count % NUM_STAGES
             # the ring's barriers start in phase 0: the first pass waits on phase 1, done
             mbarrier.wait(empty.index(stage), ((count // NUM_STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), nbytes)
-            tma_load(x_desc, [m0, kw0 // STEP_W * _STEP], ready.index(stage), x_bufs.index(stage))
+            k0 = kw0 // STEP_W * _STEP
+            tma_load(x_desc, [m0, k0], ready.index(stage), x_bufs.index(stage))
+            if BLOCK_M2 > 0:
+                tma_load(x2_desc, [m0 + BLOCK_M, k0], ready.index(stage), x2_bufs.index(stage))
             tma_load(w_desc, [row0, kw0], ready.index(stage), w_bufs.index(stage))
             count += 1
 
 
 @jit
-def _step(smem, s_rows, acc, count, step, first, BITS: ttgl.constexpr,
+def _step(smem, s_rows, accs, count, step, first, BITS: ttgl.constexpr,
           GROUP_STEPS: ttgl.constexpr, NUM_STAGES: ttgl.constexpr, L4: ttgl.constexpr,
-          LW: ttgl.constexpr, A: ttgl.constexpr, LAST: ttgl.constexpr):
+          LW: ttgl.constexpr, A: ttgl.constexpr, A2: ttgl.constexpr, BLOCK_M: ttgl.constexpr,
+          BLOCK_M2: ttgl.constexpr, LAST: ttgl.constexpr):
     """The unit's K step ``step`` (K step ``first + step`` of the whole K, the ring's
     ``count``-th): decode the words straight into wgmma's register A operand and issue the
-    wgmma; then wait for the previous step's wgmma and release its stage. The unit's LAST step
-    waits for its own wgmma too, in the same block: ptxas let the epilogue read the accumulator
-    before a wait placed after the loop."""
-    x_bufs, w_bufs, ready, empty = smem
+    wgmma (two with BLOCK_M2: accs is the pair of accumulators, else a 1-tuple); then wait for
+    the previous step's wgmmas and release its stage. The unit's LAST step waits for its own
+    wgmmas too, in the same block: ptxas let the epilogue read the accumulator before a wait
+    placed after the loop."""
+    x_bufs, x2_bufs, w_bufs, ready, empty = smem
     stage = count % NUM_STAGES
     if GROUP_STEPS > 0:  # issued before the wait: its latency hides behind it
         s = ttgl.load(s_rows + (first + step) // GROUP_STEPS)
@@ -245,20 +268,39 @@ def _step(smem, s_rows, acc, count, step, first, BITS: ttgl.constexpr,
     a = _decode(w_bufs.index(stage).load(LW), BITS, L4, A, x_bufs.dtype)
     if GROUP_STEPS > 0:
         a = a * s[:, None]
-    acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(0 if LAST else 1, deps=[acc])
+    acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), accs[0], is_async=True)
+    if BLOCK_M2 > 0:
+        acc2 = warpgroup_mma(ttgl.convert_layout(a, A2, assert_trivial=True),
+                             x2_bufs.index(stage).permute((1, 0)), accs[1], is_async=True)
+        accs = warpgroup_mma_wait(0 if LAST else 2, deps=[acc, acc2])
+    else:
+        accs = (warpgroup_mma_wait(0 if LAST else 1, deps=[acc]),)
     if step > 0:  # the unit's previous step
         mbarrier.arrive(empty.index((count + NUM_STAGES - 1) % NUM_STAGES))
     if LAST:
         mbarrier.arrive(empty.index(stage))
-    return acc
+    return accs
 
 
 @jit
-def _out_mask(rows, cols, x_tile, M, N, BLOCK_M: ttgl.constexpr):
+def _out_mask(rows, cols, x_tile, M, N, X_ROWS: ttgl.constexpr):
     """Which of the output tile's [rows, cols] to store: nothing past N or M, nor the last x
     tile's columns of the tile before it."""
-    return (rows < N)[:, None] & ((cols >= x_tile * BLOCK_M) & (cols < M))[None, :]
+    return (rows < N)[:, None] & ((cols >= x_tile * X_ROWS) & (cols < M))[None, :]
+
+
+@jit
+def _store_tile(acc, out_ptr, sizes, row0, col0, x_tile, X_ROWS: ttgl.constexpr):
+    """acc [W rows from row0, x rows from col0] into out^T, from a layout of 8 rows of W a
+    thread (_out_layout): 16-byte stores."""
+    M, N, KW, stride_sn, stride_om, x_tiles, num_units = sizes
+    OUT: ttgl.constexpr = _out_layout(acc.shape[0])
+    rows = row0 + ttgl.arange(0, acc.shape[0], layout=ttgl.SliceLayout(1, OUT))
+    cols = col0 + ttgl.arange(0, acc.shape[1], layout=ttgl.SliceLayout(0, OUT))
+    # 32-bit offsets (wint_ws_applies): 64-bit pointers a value spill in this epilogue
+    ttgl.store(out_ptr + (cols[None, :] * stride_om + rows[:, None]),
+               ttgl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT),
+               mask=_out_mask(rows, cols, x_tile, M, N, X_ROWS))
 
 
 @jit
@@ -279,6 +321,12 @@ def _store_split(acc, parts, counter, out, mask, part, local, SPLIT: ttgl.conste
 
 
 @constexpr_function
+def _mma_layout(block_n, block_m):
+    """The accumulator's layout of a [block_n, block_m] wgmma tile (one warpgroup a 64 rows)."""
+    return ttgl.NVMMADistributedLayout([3, 0], [int(block_n) // 16, 1], [16, int(block_m), 16])
+
+
+@constexpr_function
 def _out_layout(block_n):
     """The output's layout for its store, [block_n, any] (W rows x x rows): each thread 8 rows of
     W of one row of x, 16 contiguous bytes of out^T; each warp 16 rows of W, the rows it holds in
@@ -290,8 +338,9 @@ def _out_layout(block_n):
 
 @jit
 def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
-             BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr,
-             NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr, USE_PDL: ttgl.constexpr):
+             BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, BLOCK_M2: ttgl.constexpr,
+             STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr,
+             USE_PDL: ttgl.constexpr):
     """The consumer warpgroups (64 rows of W each): acc [BLOCK_N, BLOCK_M] over the unit's K,
     then out^T (or, K split, the partial: _store_split).
     Each step's wgmma stays in flight while the next step decodes (_step). The loop takes two
@@ -301,59 +350,66 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     decode other registers at every tiling (tests/kernels/test_wint_ws.py reads the SASS for
     it). (With each warpgroup its own partition, ptxas serializes the wgmmas: "insufficient
     register resources".)"""
-    x_bufs, w_bufs, ready, empty = smem
+    x_bufs, x2_bufs, w_bufs, ready, empty = smem
     s_ptr, out_ptr, part_ptr, count_ptr = ptrs
     M, N, KW, stride_sn, stride_om, x_tiles, num_units = sizes
-    MMA: ttgl.constexpr = ttgl.NVMMADistributedLayout([3, 0], [BLOCK_N // 16, 1],
-                                                      [16, BLOCK_M, 16])
+    X_ROWS: ttgl.constexpr = BLOCK_M + BLOCK_M2
+    MMA: ttgl.constexpr = _mma_layout(BLOCK_N, BLOCK_M)
     A: ttgl.constexpr = ttgl.DotOperandLayout(0, MMA, 2)
+    # the second wgmma's (the same operand registers: assert_trivial in _step)
+    MMA2: ttgl.constexpr = _mma_layout(BLOCK_N, BLOCK_M2 if BLOCK_M2 > 0 else BLOCK_M)
+    A2: ttgl.constexpr = ttgl.DotOperandLayout(0, MMA2, 2)
     L4: ttgl.constexpr = _decode_layout(BITS, BLOCK_N)
     LW: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, L4))
     rows_a = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(1, A))
     rows_c = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(1, MMA))
     cols_c = ttgl.arange(0, BLOCK_M, layout=ttgl.SliceLayout(0, MMA))
-    OUT: ttgl.constexpr = _out_layout(BLOCK_N)
-    rows_o = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(1, OUT))
-    cols_o = ttgl.arange(0, BLOCK_M, layout=ttgl.SliceLayout(0, OUT))
     steps = KW // STEP_W // SPLIT  # even (wint_ws_applies)
     count = 0
     for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
         tile, x_tile, w_tile, part = _unit(unit, x_tiles, SPLIT)
-        m0 = _x_start(x_tile, M, BLOCK_N, BLOCK_M)
+        m0 = _x_start(x_tile, M, BLOCK_N, X_ROWS)
         row0 = w_tile * BLOCK_N
         first = part * steps
         # scale rows clamped (rows past N are computed from zero words and not stored)
         s_rows = s_ptr + ttgl.minimum(row0 + rows_a, N - 1).to(ttgl.int64) * stride_sn
-        acc = ttgl.zeros([BLOCK_N, BLOCK_M], ttgl.float32, MMA)
+        if BLOCK_M2 > 0:
+            accs = (ttgl.zeros([BLOCK_N, BLOCK_M], ttgl.float32, MMA),
+                    ttgl.zeros([BLOCK_N, BLOCK_M2], ttgl.float32, MMA2))
+        else:
+            accs = (ttgl.zeros([BLOCK_N, BLOCK_M], ttgl.float32, MMA),)
         for step in range(0, steps - 2, 2):
-            acc = _step(smem, s_rows, acc, count, step, first, BITS, GROUP_STEPS, NUM_STAGES,
-                        L4, LW, A, False)
-            acc = _step(smem, s_rows, acc, count + 1, step + 1, first, BITS, GROUP_STEPS,
-                        NUM_STAGES, L4, LW, A, False)
+            accs = _step(smem, s_rows, accs, count, step, first, BITS, GROUP_STEPS, NUM_STAGES,
+                         L4, LW, A, A2, BLOCK_M, BLOCK_M2, False)
+            accs = _step(smem, s_rows, accs, count + 1, step + 1, first, BITS, GROUP_STEPS,
+                         NUM_STAGES, L4, LW, A, A2, BLOCK_M, BLOCK_M2, False)
             count += 2
-        acc = _step(smem, s_rows, acc, count, steps - 2, first, BITS, GROUP_STEPS, NUM_STAGES,
-                    L4, LW, A, False)
-        acc = _step(smem, s_rows, acc, count + 1, steps - 1, first, BITS, GROUP_STEPS,
-                    NUM_STAGES, L4, LW, A, True)
+        accs = _step(smem, s_rows, accs, count, steps - 2, first, BITS, GROUP_STEPS,
+                     NUM_STAGES, L4, LW, A, A2, BLOCK_M, BLOCK_M2, False)
+        accs = _step(smem, s_rows, accs, count + 1, steps - 1, first, BITS, GROUP_STEPS,
+                     NUM_STAGES, L4, LW, A, A2, BLOCK_M, BLOCK_M2, True)
         count += 2
+        acc = accs[0]
         rows = row0 + rows_c
         if GROUP_STEPS == 0:  # per channel
             scale = ttgl.load(s_ptr + ttgl.minimum(rows, N - 1).to(ttgl.int64) * stride_sn)
             acc = acc * scale.to(ttgl.float32)[:, None]
-        # 32-bit offsets (wint_ws_applies): 64-bit pointers a value spill in this epilogue
         if SPLIT == 1:
-            out_rows = row0 + rows_o
-            out_cols = m0 + cols_o
-            ttgl.store(out_ptr + (out_cols[None, :] * stride_om + out_rows[:, None]),
-                       ttgl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT),
-                       mask=_out_mask(out_rows, out_cols, x_tile, M, N, BLOCK_M))
+            _store_tile(acc, out_ptr, sizes, row0, m0, x_tile, X_ROWS)
         else:
             TILE: ttgl.constexpr = BLOCK_N * BLOCK_M
             cols = m0 + cols_c
+            # 32-bit offsets (wint_ws_applies): 64-bit pointers a value spill in this epilogue
             _store_split(acc, part_ptr + tile.to(ttgl.int64) * (SPLIT * TILE), count_ptr + tile,
                          out_ptr + (cols[None, :] * stride_om + rows[:, None]),
-                         _out_mask(rows, cols, x_tile, M, N, BLOCK_M),
+                         _out_mask(rows, cols, x_tile, M, N, X_ROWS),
                          part, rows_c[:, None] * BLOCK_M + cols_c[None, :], SPLIT, TILE)
+        if BLOCK_M2 > 0:  # (K not split: WsTiles)
+            acc2 = accs[1]
+            if GROUP_STEPS == 0:
+                scale2 = ttgl.convert_layout(scale, ttgl.SliceLayout(1, MMA2))
+                acc2 = acc2 * scale2.to(ttgl.float32)[:, None]
+            _store_tile(acc2, out_ptr, sizes, row0, m0 + BLOCK_M, x_tile, X_ROWS)
 
 
 # M and the unit counts as any int32 (no variant per batch size: fewer compiles while the engine
@@ -364,16 +420,21 @@ _UNSPECIALIZED = ("M", "x_tiles", "num_units")
 
 @jit(do_not_specialize=list(_UNSPECIALIZED))
 def _wint_ws_kernel(
-    x_desc, w_desc, s_ptr, out_ptr, part_ptr, count_ptr, M, N, KW, stride_sn, stride_om,
+    x_desc, x2_desc, w_desc, s_ptr, out_ptr, part_ptr, count_ptr, M, N, KW, stride_sn, stride_om,
     x_tiles, num_units,
     BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr, BLOCK_N: ttgl.constexpr,
-    BLOCK_M: ttgl.constexpr, STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr,
-    SPLIT: ttgl.constexpr, USE_PDL: ttgl.constexpr,
+    BLOCK_M: ttgl.constexpr, BLOCK_M2: ttgl.constexpr, STEP_W: ttgl.constexpr,
+    NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr, USE_PDL: ttgl.constexpr,
 ):  # fmt: skip
     """Launched with BLOCK_N / 16 warps (the consumer warpgroups); warp_specialize adds the
     producer warp."""
     x_bufs = ttgl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES, BLOCK_M, _STEP],
                                          x_desc.layout)
+    if BLOCK_M2 > 0:  # the second wgmma's rows of x, a ring of their own (power-of-two shapes)
+        x2_bufs = ttgl.allocate_shared_memory(x2_desc.dtype, [NUM_STAGES, BLOCK_M2, _STEP],
+                                              x2_desc.layout)
+    else:
+        x2_bufs = x_bufs
     w_bufs = ttgl.allocate_shared_memory(ttgl.int32, [NUM_STAGES, BLOCK_N, STEP_W],
                                          w_desc.layout)
     ready = ttgl.allocate_shared_memory(ttgl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -382,15 +443,15 @@ def _wint_ws_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()  # the initialized barriers visible to TMA
-    descs = (x_desc, w_desc)
-    smem = (x_bufs, w_bufs, ready, empty)
+    descs = (x_desc, x2_desc, w_desc)
+    smem = (x_bufs, x2_bufs, w_bufs, ready, empty)
     ptrs = (s_ptr, out_ptr, part_ptr, count_ptr)
     sizes = (M, N, KW, stride_sn, stride_om, x_tiles, num_units)
     ttgl.warp_specialize([
-        (_consume, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                    NUM_STAGES, SPLIT, USE_PDL)),
-        (_produce, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, STEP_W,
-                    NUM_STAGES, SPLIT, USE_PDL)),
+        (_consume, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, BLOCK_M2,
+                    STEP_W, NUM_STAGES, SPLIT, USE_PDL)),
+        (_produce, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, BLOCK_M2,
+                    STEP_W, NUM_STAGES, SPLIT, USE_PDL)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -423,8 +484,8 @@ def ws_tiles(m: int, n: int, k: int, sms: int) -> WsTiles:
     def cost(tiles: WsTiles) -> float:
         a, b, c = _COSTS[replace(tiles, split=1)]
         rounds = -(-_tiles(m, n, tiles) * tiles.split // sms)
-        shifted = tiles.block_n * tiles.block_m <= SHIFT_MAX_ELEMS
-        past_m = tiles.block_m - m if shifted else -(-m // tiles.block_m) * tiles.block_m - m
+        shifted = tiles.block_n * tiles.rows <= SHIFT_MAX_ELEMS
+        past_m = tiles.rows - m if shifted else -(-m // tiles.rows) * tiles.rows - m
         unit = a + b * k / STEP / tiles.split + OOB_ROW_US * max(0, past_m)
         return rounds * unit + (c if tiles.split > 1 else 0.0)
 
@@ -455,7 +516,8 @@ def _w_layout(bits: int):
 def _constexprs(bits: int, group: int, k: int, tiles: WsTiles, use_pdl: bool) -> dict:
     step_w = STEP * bits // 32
     return dict(BITS=bits, GROUP_STEPS=group // STEP if group < k else 0,
-                BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, STEP_W=step_w,
+                BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, BLOCK_M2=tiles.block_m2,
+                STEP_W=step_w,
                 NUM_STAGES=tiles.stages, SPLIT=tiles.split, USE_PDL=use_pdl)
 
 
@@ -471,13 +533,13 @@ def _splits_k(k: int, split: int) -> bool:
 
 def _tiles(m: int, n: int, tiles: WsTiles) -> int:
     """Output tiles: x tiles x W tiles."""
-    return -(-m // tiles.block_m) * -(-n // tiles.block_n)
+    return -(-m // tiles.rows) * -(-n // tiles.block_n)
 
 
 def smem_bytes(bits: int, tiles: WsTiles) -> int:
     """The ring and its barriers, and the scratch of the store's layout conversion (measured:
     16 rows of x at a time)."""
-    return (tiles.stages * (tiles.block_m * STEP * 2 + tiles.block_n * STEP * bits // 8 + 16)
+    return (tiles.stages * (tiles.rows * STEP * 2 + tiles.block_n * STEP * bits // 8 + 16)
             + tiles.block_n * 32)
 
 
@@ -522,9 +584,12 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
     n, kw = words.shape
     step_w = STEP * bits // 32
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [tiles.block_m, STEP], _x_layout())
+    # (without a second wgmma, the first's descriptor again, unread)
+    x2_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [tiles.block_m2 or tiles.block_m,
+                                                             STEP], _x_layout())
     w_desc = TensorDescriptor(words, [n, kw], [kw, 1], [tiles.block_n, step_w], _w_layout(bits))
     out = torch.empty(m, _out_width(n), device=x.device, dtype=out_dtype or x.dtype)[:, :n]
-    x_tiles = -(-m // tiles.block_m)
+    x_tiles = -(-m // tiles.rows)
     num_units = _tiles(m, n, tiles) * tiles.split
     if tiles.split > 1:  # the float32 partials, then the tile's arrival counter
         parts = torch.empty(num_units * tiles.block_n * tiles.block_m, device=x.device,
@@ -534,7 +599,8 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
         parts = counters = out
     launch = pdl(x.device)
     _wint_ws_kernel[(min(num_units, num_sms(x.device)),)](
-        x_desc, w_desc, scales, out, parts, counters, m, n, kw, scales.stride(0), out.stride(0),
+        x_desc, x2_desc, w_desc, scales, out, parts, counters, m, n, kw, scales.stride(0),
+        out.stride(0),
         x_tiles, num_units, **_constexprs(bits, group, k, tiles, launch["USE_PDL"]),
         num_warps=4 * tiles.consumers, maxnreg=_maxnreg(tiles), launch_pdl=launch["launch_pdl"],
     )  # fmt: skip
@@ -548,6 +614,8 @@ def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
     tiles = tiles or WsTiles()
     step_w = STEP * bits // 32
     sig = {"x_desc": f"tensordesc<{dtype}[{tiles.block_m}, {STEP}],{_x_layout()!r}>",
+           "x2_desc": (f"tensordesc<{dtype}[{tiles.block_m2 or tiles.block_m}, {STEP}],"
+                       f"{_x_layout()!r}>"),
            "w_desc": f"tensordesc<i32[{tiles.block_n}, {step_w}],{_w_layout(bits)!r}>",
            "s_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
            "count_ptr": "*i32", "M": "i32", "N": "i32", "KW": "i32", "stride_sn": "i32",

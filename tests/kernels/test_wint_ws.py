@@ -67,6 +67,20 @@ def test_gpu_wint_ws_last_x_tile(m, tiles):
 
 
 @gpu
+@pytest.mark.parametrize("m, tiles", [(160, ws.WsTiles(128, 128, 6, block_m2=32)),
+                                      (300, ws.WsTiles(64, 128, 8, block_m2=32)),
+                                      (100, ws.WsTiles(128, 128, 6, block_m2=64)),
+                                      (700, ws.WsTiles(64, 256, 5, block_m2=64)),
+                                      (40, ws.WsTiles(64, 64, 8, block_m2=32))])
+@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
+def test_gpu_wint_ws_two_wgmmas_a_tile(bits, group, m, tiles):
+    """Tiles of rows of x that are no power of two, two wgmmas on one decoded operand (and
+    per-channel scales on both accumulators): a whole tile, ragged last tiles (shifted to end at
+    M in 64-row tiles of W, not in 128-row ones), fewer rows than the first wgmma's."""
+    _check(1000, 2048, bits, group, m, tiles=tiles, seed=m)
+
+
+@gpu
 @pytest.mark.parametrize("bits, group", [(4, 64), (8, -1)])
 def test_gpu_wint_ws_split_k_repeats_exactly(bits, group):
     """K split 4 ways over ragged M and N (tiles past both edges): the splits' partials are
@@ -95,6 +109,12 @@ def test_wint_ws_tiles_name_what_is_wrong():
         ws.WsTiles(block_m=100)
     with pytest.raises(ValueError, match="stages=1"):
         ws.WsTiles(stages=1)
+    with pytest.raises(ValueError, match="block_m2=128: 0 or a multiple of 16 less than"):
+        ws.WsTiles(block_m=128, block_m2=128)
+    with pytest.raises(ValueError, match="block_m2=32 with split=2"):
+        ws.WsTiles(block_m=128, block_m2=32, split=2)
+    tiles = ws.WsTiles(128, 128, 6, block_m2=32)
+    assert tiles.rows == 160 and tiles.name == "128x128+32s6k1"
 
 
 def test_wint_ws_applies_only_on_cuda():
@@ -121,10 +141,12 @@ def test_gpu_wint_ws_applies_to_formats():
 
 
 @needs_triton
-@pytest.mark.parametrize("bits, group, block_n, block_m, split",
-                         [(4, 128, 128, 256, 1), (8, 4096, 128, 256, 1), (4, 4096, 64, 128, 1),
-                          (8, 4096, 128, 64, 4), (4, 64, 64, 32, 2)])
-def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, tmp_path):
+@pytest.mark.parametrize("bits, group, block_n, block_m, split, block_m2",
+                         [(4, 128, 128, 256, 1, 0), (8, 4096, 128, 256, 1, 0),
+                          (4, 4096, 64, 128, 1, 0), (8, 4096, 128, 64, 4, 0),
+                          (4, 64, 64, 32, 2, 0), (4, 128, 128, 128, 1, 32),
+                          (8, 4096, 128, 128, 1, 64), (8, 4096, 64, 128, 1, 32)])
+def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m2, tmp_path):
     """The kernel compiles for sm_90 on a CPU host (in a subprocess: this package's conftest
     turns the interpreter on), warp-specialized (the producer warp gives up registers, the
     consumers take them), x and words by TMA, and its K loop is what the design says: two
@@ -132,11 +154,13 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, tmp_pat
     flight over the next step's decode (the wait leaves one group pending, so ptxas did not
     serialize them), no instruction touching an in-flight wgmma's operand or accumulator
     registers anywhere in the kernel, no local memory, and (K not split) 16-byte stores of the
-    output."""
+    output. With a second wgmma (block_m2) each step issues both on the same operand and the
+    wait leaves one step's pair pending."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, SM90_COMPILE, "wint_ws", "--bits", str(bits),
                           "--group", str(group), "--block-n", str(block_n),
                           "--block-m", str(block_m), "--split", str(split),
+                          "--block-m2", str(block_m2),
                           "--dump", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -145,8 +169,9 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, tmp_pat
     loop = (tmp_path / "k_loop.sass").read_text()
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "cp.async.bulk.tensor" in ptx
-    assert len(re.findall(rf"HGMMA\.64x{block_m}x16\.F32\.BF16 R\d+, R\d+", loop)) == 8, loop
-    assert loop.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 2, loop
+    for n in (block_m, block_m2) if block_m2 else (block_m,):
+        assert len(re.findall(rf"HGMMA\.64x{n}x16\.F32\.BF16 R\d+, R\d+", loop)) == 8, loop
+    assert loop.count(f"WARPGROUP.DEPBAR.LE gsb0, {'0x2' if block_m2 else '0x1'}") == 2, loop
     assert report["wgmma_hazards"] == []
     assert report["spill_stack_bytes"] == 0
     if split == 1:  # the output stored 8 rows of W (16 bytes) at a time, not value by value
