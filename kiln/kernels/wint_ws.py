@@ -455,20 +455,29 @@ def _wint_ws_kernel(
     ], [1], [PRODUCER_REGS])
 
 
-# Each tiling's cost model, fitted to the H100 sweep of Llama-3.1-8B's layers at 64-1024 rows
-# (benchmarks/results/h100/wint_ws_split.txt): a round of units (a tile's K, or a split of it)
-# over the SMs takes a + b x the unit's K steps us, and splitting K adds c us (the partials'
-# sum) once; None: not split (128 x 256: not measured). Each ring depth is the sweep's fastest.
+# Each tiling's cost model, fitted to the H100 sweeps of Llama-3.1-8B's layers at 48-1024 rows
+# (benchmarks/results/h100/wint_ws_composite.txt): a round of units (a tile's K, or a split of
+# it) over the SMs takes a + b x the unit's K steps + d x the rows of x past M in a box (TMA's
+# zero fill; _x_start shifts the last box of tiles up to SHIFT_MAX_ELEMS back to end at M, so
+# those pay it only with fewer rows than one box) us, and splitting K adds c us (the partials'
+# sum) once; None: not split (128 x 256, and two-wgmma tiles). Each ring depth is the sweep's
+# fastest.
 _COSTS = {
-    WsTiles(64, 32, 8): (2.74, 0.18, 5.55), WsTiles(64, 64, 8): (4.88, 0.17, 4.13),
-    WsTiles(64, 128, 8): (7.09, 0.22, 5.46), WsTiles(64, 256, 6): (7.22, 0.33, 15.4),
-    WsTiles(128, 32, 8): (4.06, 0.25, 4.58), WsTiles(128, 64, 8): (7.48, 0.25, 4.49),
-    WsTiles(128, 128, 6): (10.99, 0.32, 6.38), WsTiles(128, 256, 5): (9.92, 0.57, None),
+    WsTiles(64, 32, 8): (3.548, 0.167, 2.409, 0.0),
+    WsTiles(64, 64, 8): (4.288, 0.165, 3.861, 0.021),
+    WsTiles(64, 128, 8): (6.018, 0.21, 4.458, 0.079),
+    WsTiles(64, 256, 6): (8.866, 0.335, 18.852, 0.092),
+    WsTiles(128, 32, 8): (4.974, 0.239, 2.286, 0.0),
+    WsTiles(128, 64, 8): (7.089, 0.248, 3.805, 0.0),
+    WsTiles(128, 128, 6): (11.749, 0.307, 4.697, 0.012),
+    WsTiles(128, 256, 5): (8.457, 0.555, None, 0.0),
+    WsTiles(64, 128, 8, block_m2=32): (1.459, 0.289, None, 0.011),
+    WsTiles(64, 128, 8, block_m2=64): (2.629, 0.303, None, 0.038),
+    WsTiles(64, 256, 5, block_m2=64): (0.0, 0.448, None, 0.098),
+    WsTiles(128, 128, 6, block_m2=32): (1.898, 0.564, None, 0.006),
+    WsTiles(128, 128, 6, block_m2=64): (3.638, 0.579, None, 0.005),
 }
 SPLITS = (1, 2, 4)
-# us a round per row of a box past M (fewer rows of x than a tile holds): TMA's zero fill, from
-# the rows past M in the same sweep (0.07-0.13)
-OOB_ROW_US = 0.1
 # Rows from which this kernel takes each code width (fewer: wint_mma.py, or quant_gemm's tile
 # kernel for 8-bit codes): in the sweep, int4 at 32 rows ran 92 us a layer here against
 # wint_mma's 76, at 48 rows 102 against 155; 8-bit codes at 32 rows 102 against the tile
@@ -478,18 +487,18 @@ WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured agains
 
 
 def ws_tiles(m: int, n: int, k: int, sms: int) -> WsTiles:
-    """The tiling and K split of least modelled time (_COSTS, OOB_ROW_US) for x [M, K] @
+    """The tiling and K split of least modelled time (_COSTS) for x [M, K] @
     W [N, K]^T on ``sms`` multiprocessors."""
 
     def cost(tiles: WsTiles) -> float:
-        a, b, c = _COSTS[replace(tiles, split=1)]
+        a, b, c, d = _COSTS[replace(tiles, split=1)]
         rounds = -(-_tiles(m, n, tiles) * tiles.split // sms)
         shifted = tiles.block_n * tiles.rows <= SHIFT_MAX_ELEMS
         past_m = tiles.rows - m if shifted else -(-m // tiles.rows) * tiles.rows - m
-        unit = a + b * k / STEP / tiles.split + OOB_ROW_US * max(0, past_m)
+        unit = a + b * k / STEP / tiles.split + d * max(0, past_m)
         return rounds * unit + (c if tiles.split > 1 else 0.0)
 
-    return min((replace(tiles, split=split) for tiles, (_, _, c) in _COSTS.items()
+    return min((replace(tiles, split=split) for tiles, (_, _, c, _) in _COSTS.items()
                 for split in SPLITS
                 if split == 1 or c is not None and _splits_k(k, split)), key=cost)
 

@@ -182,16 +182,16 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m
 def test_ws_tiles_least_modelled_time():
     """On the H100's 132 SMs: gate_up (N = 28672) keeps 128 x 256 tiles at 512 rows; down_proj
     (K = 14336) at 128 rows splits K 4 ways over its 32 tiles of 128 x 128 (one round of 128
-    units); o_proj at 64 rows takes 128 tiles of 64 x 32 in one round; qkv at 1024 rows 64 x
-    256 (384 tiles in 3 rounds); a K that no split divides into 128-code halves is not split,
-    even one that is no multiple of 128."""
+    units); o_proj at 64 rows splits K 2 ways over 64 tiles of 64 x 64; rows that are no power
+    of two take a tile of two wgmmas: gate_up at 160 rows one 128 + 32-row tile a 128 rows of W
+    (224 units), qkv at 320 rows 256 + 64; a K that no split divides into 128-code halves is
+    not split, even one that is no multiple of 128."""
     assert ws.ws_tiles(512, 28672, 4096, 132) == ws.WsTiles(128, 256, 5)
     assert ws.ws_tiles(128, 4096, 14336, 132) == ws.WsTiles(128, 128, 6, split=4)
-    assert ws.ws_tiles(64, 4096, 4096, 132) == ws.WsTiles(64, 32, 8)
-    assert ws.ws_tiles(1024, 6144, 4096, 132) == ws.WsTiles(64, 256, 6)
-    # a last x tile whose box ends at M costs no more past 256 rows: 384 rows of qkv in 64 x
-    # 256; with fewer rows than a tile each row past M costs: 48 rows in 64-row tiles
-    assert ws.ws_tiles(384, 6144, 4096, 132) == ws.WsTiles(64, 256, 6)
+    assert ws.ws_tiles(64, 4096, 4096, 132) == ws.WsTiles(64, 64, 8, split=2)
+    assert ws.ws_tiles(160, 28672, 4096, 132) == ws.WsTiles(128, 128, 6, block_m2=32)
+    assert ws.ws_tiles(320, 6144, 4096, 132) == ws.WsTiles(64, 256, 5, block_m2=64)
+    # with fewer rows than a tile each row past M costs: 48 rows in 64-row tiles
     assert ws.ws_tiles(48, 6144, 4096, 132).block_m == 64
     assert ws.ws_tiles(64, 4096, 384 * 3, 132).split == 1
     assert ws.ws_tiles(100, 4096, 64 * 65, 132).split == 1  # (wint_ws_applies then says no)
