@@ -130,7 +130,8 @@ def main() -> None:
     if a.kernel == "wint_ws":
         kernel = wint_ws.compile_sm90(a.bits, a.group, a.k,
                                       wint_ws.WsTiles(a.block_n, a.block_m, a.stages, a.split,
-                                                      a.block_m2))
+                                                      a.block_m2),
+                                      out_dtype="fp32" if a.out_fp32 else None)
     else:
         kernel = _compile_triton(parser, a)
     registers, spill_bytes, sass = machine_code(kernel)

@@ -108,7 +108,8 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
         row[f"ws {t.name}"] = checked(
             lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
     if with_ws:
-        picked = ws.ws_tiles(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        picked = ws.ws_tiles(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count,
+                             bits)
         row["ws_default"] = str(picked)
         row["ws_default_us"] = checked(
             lambda a: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=picked))

@@ -10,6 +10,8 @@ say no. Gluon does not run under TRITON_INTERPRET: on CPU these kernels only com
 
 from __future__ import annotations
 
+SMEM_BUDGET = 227 * 1024  # shared memory an sm_90 (H100) block may use
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as ttgl
@@ -44,10 +46,10 @@ except ImportError:  # no triton, or one without Gluon's Hopper API
 
     constexpr_function = jit
 
-__all__ = ["HAS_GLUON", "TensorDescriptor", "async_copy", "axis_layout", "compile_sm90",
-           "constexpr_function", "cp_async", "cta_barrier", "fence_async_shared", "gdc", "jit",
-           "mbarrier", "memdesc_reinterpret", "tma", "tma_load", "ttgl", "warpgroup_mma",
-           "warpgroup_mma_wait"]
+__all__ = ["HAS_GLUON", "SMEM_BUDGET", "TensorDescriptor", "async_copy", "axis_layout",
+           "compile_sm90", "constexpr_function", "cp_async", "cta_barrier", "fence_async_shared",
+           "gdc", "jit", "mbarrier", "memdesc_reinterpret", "tma", "tma_load", "ttgl",
+           "warpgroup_mma", "warpgroup_mma_wait"]
 
 
 def _axis_layout_impl(layout, axis):

@@ -902,7 +902,7 @@ def wint_gemm_triton(
     w_fp8 = qweight.dtype == FP8_DTYPE
     ws = (config is None and words is not None and zeros is None and perm is None
           and smooth is None and not w_fp8 and wint_ws_preferred(m, bits)
-          and wint_ws_applies(x, words, scales, bits, group))
+          and wint_ws_applies(x, words, scales, bits, group, out_dtype=out_dtype))
     if ws or isinstance(config, MmaTiles) or config is None and _mma_applies(
             x, qweight, zeros, perm, bits, group_size):
         if ws:

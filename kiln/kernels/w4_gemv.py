@@ -50,6 +50,7 @@ import torch
 from kiln.kernels import _gluon
 from kiln.kernels._gluon import (
     HAS_GLUON,
+    SMEM_BUDGET,
     TensorDescriptor,
     async_copy,
     axis_layout,
@@ -67,7 +68,6 @@ from kiln.kernels._triton import next_power_of_2, pdl, use_triton
 
 GROUP = 128  # codes per scale group (the only group size this kernel takes)
 MAX_M = 2  # rows of x (programs along grid axis 0: the second row reads the weights from L2)
-SMEM_BUDGET = 227 * 1024  # shared memory an H100 block may use
 # code j of a word sits at mantissa bit 19 - X_SHIFTS[j] after the decode's shifts; its x is
 # stored times 2^X_SHIFTS[j] (the kernel computes the same list from j)
 X_SHIFTS = (8, 4, 0, 7, 3, 8, 4, 0)

@@ -44,6 +44,7 @@ import torch
 from kiln.kernels import _gluon
 from kiln.kernels._gluon import (
     HAS_GLUON,
+    SMEM_BUDGET,
     TensorDescriptor,
     axis_layout,
     constexpr_function,
@@ -486,9 +487,10 @@ WS_MIN_M = {4: 48, 8: 32}
 WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured against this kernel)
 
 
-def ws_tiles(m: int, n: int, k: int, sms: int) -> WsTiles:
+def ws_tiles(m: int, n: int, k: int, sms: int, bits: int, out_bytes: int = 2) -> WsTiles:
     """The tiling and K split of least modelled time (_COSTS) for x [M, K] @
-    W [N, K]^T on ``sms`` multiprocessors."""
+    W [N, K]^T on ``sms`` multiprocessors, of those whose shared memory (``bits``-bit codes, an
+    output of ``out_bytes`` a value) fits SMEM_BUDGET."""
 
     def cost(tiles: WsTiles) -> float:
         a, b, c, d = _COSTS[replace(tiles, split=1)]
@@ -500,7 +502,8 @@ def ws_tiles(m: int, n: int, k: int, sms: int) -> WsTiles:
 
     return min((replace(tiles, split=split) for tiles, (_, _, c, _) in _COSTS.items()
                 for split in SPLITS
-                if split == 1 or c is not None and _splits_k(k, split)), key=cost)
+                if (split == 1 or c is not None and _splits_k(k, split))
+                and smem_bytes(bits, tiles, out_bytes) <= SMEM_BUDGET), key=cost)
 
 
 def wint_ws_preferred(m: int, bits: int) -> bool:
@@ -545,28 +548,32 @@ def _tiles(m: int, n: int, tiles: WsTiles) -> int:
     return -(-m // tiles.rows) * -(-n // tiles.block_n)
 
 
-def smem_bytes(bits: int, tiles: WsTiles) -> int:
-    """The ring and its barriers, and the scratch of the store's layout conversion (measured:
-    16 rows of x at a time)."""
+def smem_bytes(bits: int, tiles: WsTiles, out_bytes: int = 2) -> int:
+    """The ring and its barriers, the scratch of the store's layout conversion (16 rows of x at
+    a time, ``out_bytes`` a value) and Triton's own few bytes (4-12 under Triton 3.6): an upper
+    bound of what the compiled kernel takes (tests/kernels/test_wint_ws.py compares)."""
     return (tiles.stages * (tiles.rows * STEP * 2 + tiles.block_n * STEP * bits // 8 + 16)
-            + tiles.block_n * 32)
+            + tiles.block_n * 16 * out_bytes + 64)
 
 
 def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,
-                    group: int, tiles: WsTiles | None = None) -> bool:
+                    group: int, tiles: WsTiles | None = None,
+                    out_dtype: torch.dtype | None = None) -> bool:
     """Whether this kernel takes x [M, K] @ W^T: Gluon importable, CUDA sm_90 (wgmma), 16-bit x
     with 16-byte aligned rows, contiguous int32 words, symmetric int4 codes in groups of 64 or
     128 or per channel, or 8-bit codes per channel, K a multiple of 128 a split (two steps a
-    loop pass), scales in x's dtype (the decoded weights are multiplied in it), the ring within
-    227 KB, the output's offsets, the last x tile's rows included, within 32 bits, and with K
-    split, no more output tiles than the arrival counters."""
+    loop pass), scales in x's dtype (the decoded weights are multiplied in it), the shared
+    memory (the output in ``out_dtype``, x's by default) within SMEM_BUDGET, the output's
+    offsets, the last x tile's rows included, within 32 bits, and with K split, no more output
+    tiles than the arrival counters."""
     if not (HAS_GLUON and x.is_cuda and words.is_cuda):
         return False
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
     m, k = x.shape
     n = words.shape[0]
-    tiles = tiles or ws_tiles(m, n, k, num_sms(x.device))
+    out_bytes = (out_dtype or x.dtype).itemsize
+    tiles = tiles or ws_tiles(m, n, k, num_sms(x.device), bits, out_bytes)
     per_channel = group >= k
     return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
@@ -576,7 +583,7 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                  or bits == 8 and per_channel)
             and scales.stride(1) == 1 and scales.dtype == x.dtype
             and -(-m // 256) * 256 * _out_width(n) < 2**31
-            and smem_bytes(bits, tiles) <= 227 * 1024
+            and smem_bytes(bits, tiles, out_bytes) <= SMEM_BUDGET
             and (tiles.split == 1 or _tiles(m, n, tiles) <= COUNTER_CAPACITY))
 
 
@@ -586,8 +593,10 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
     """x [M, K] (16-bit) @ dequantized W^T -> [M, N] in ``out_dtype`` (x's by default); W's
     codes as int32 words [N, K bits / 32], scales [N, K / group] (group >= K: per channel).
     Tiles: ``ws_tiles``'s unless given."""
-    tiles = tiles or ws_tiles(x.shape[0], words.shape[0], x.shape[1], num_sms(x.device))
-    assert wint_ws_applies(x, words, scales, bits, group, tiles), \
+    out_dtype = out_dtype or x.dtype
+    tiles = tiles or ws_tiles(x.shape[0], words.shape[0], x.shape[1], num_sms(x.device), bits,
+                              out_dtype.itemsize)
+    assert wint_ws_applies(x, words, scales, bits, group, tiles, out_dtype), \
         "wint_ws_gemm does not take these inputs (see wint_ws_applies)"
     m, k = x.shape
     n, kw = words.shape
@@ -597,7 +606,7 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
     x2_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [tiles.block_m2 or tiles.block_m,
                                                              STEP], _x_layout())
     w_desc = TensorDescriptor(words, [n, kw], [kw, 1], [tiles.block_n, step_w], _w_layout(bits))
-    out = torch.empty(m, _out_width(n), device=x.device, dtype=out_dtype or x.dtype)[:, :n]
+    out = torch.empty(m, _out_width(n), device=x.device, dtype=out_dtype)[:, :n]
     x_tiles = -(-m // tiles.rows)
     num_units = _tiles(m, n, tiles) * tiles.split
     if tiles.split > 1:  # the float32 partials, then the tile's arrival counter
@@ -617,16 +626,17 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
 
 
 def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
-                 dtype: str = "bf16", use_pdl: bool = True):
+                 dtype: str = "bf16", use_pdl: bool = True, out_dtype: str | None = None):
     """The kernel compiled for sm_90 on any host (kiln.kernels._gluon.compile_sm90) as it is
-    launched: M and the unit counts unspecialized (any row counts), N divisible by 16."""
+    launched: M and the unit counts unspecialized (any row counts), N divisible by 16; x, the
+    scales and (unless ``out_dtype``, as "fp32") the output in ``dtype``."""
     tiles = tiles or WsTiles()
     step_w = STEP * bits // 32
     sig = {"x_desc": f"tensordesc<{dtype}[{tiles.block_m}, {STEP}],{_x_layout()!r}>",
            "x2_desc": (f"tensordesc<{dtype}[{tiles.block_m2 or tiles.block_m}, {STEP}],"
                        f"{_x_layout()!r}>"),
            "w_desc": f"tensordesc<i32[{tiles.block_n}, {step_w}],{_w_layout(bits)!r}>",
-           "s_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
+           "s_ptr": f"*{dtype}", "out_ptr": f"*{out_dtype or dtype}", "part_ptr": "*fp32",
            "count_ptr": "*i32", "M": "i32", "N": "i32", "KW": "i32", "stride_sn": "i32",
            "stride_om": "i32", "x_tiles": "i32", "num_units": "i32"}
     return _gluon.compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles, use_pdl),

@@ -22,15 +22,15 @@ SM90_COMPILE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
                             "sm90_compile.py")
 
 
-def _check(n, k, bits, group, m, dtype=torch.bfloat16, tiles=None, seed=0):
+def _check(n, k, bits, group, m, dtype=torch.bfloat16, tiles=None, seed=0, out_dtype=None):
     gen = torch.Generator().manual_seed(seed)
     qweight, scales, _, w64 = make_weight(n, k, bits, group, True, gen=gen)
     x = torch.randn(m, k, generator=gen).to(dtype)
     expected = naive(x, w64)
     words = qg._words(qweight, bits).cuda()
     out = ws.wint_ws_gemm(x.cuda(), words, scales.to(dtype).cuda(), bits,
-                          k if group == -1 else group, tiles=tiles)
-    assert out.dtype == dtype and out.shape == (m, n)
+                          k if group == -1 else group, out_dtype, tiles)
+    assert out.dtype == (out_dtype or dtype) and out.shape == (m, n)
     assert_rel_close(out.cpu(), expected, 3e-3, f"W{bits} {n}x{k} g{group} m={m} {tiles}")
     return out
 
@@ -102,6 +102,13 @@ def test_gpu_wint_ws_fp16_and_repeatable():
     assert torch.equal(first, second)
 
 
+@gpu
+def test_gpu_wint_ws_float32_output_fits_shared_memory():
+    """A float32 output (an LM head's logits) at a shape whose bf16 pick's store scratch would
+    not fit it then (test_ws_tiles_fit_shared_memory): the launch takes another tiling."""
+    _check(6144, 4096, 8, -1, 176, out_dtype=torch.float32)
+
+
 def test_wint_ws_tiles_name_what_is_wrong():
     with pytest.raises(ValueError, match="block_n=96"):
         ws.WsTiles(block_n=96)
@@ -141,12 +148,13 @@ def test_gpu_wint_ws_applies_to_formats():
 
 
 @needs_triton
-@pytest.mark.parametrize("bits, group, block_n, block_m, split, block_m2",
-                         [(4, 128, 128, 256, 1, 0), (8, 4096, 128, 256, 1, 0),
-                          (4, 4096, 64, 128, 1, 0), (8, 4096, 128, 64, 4, 0),
-                          (4, 64, 64, 32, 2, 0), (4, 128, 128, 128, 1, 32),
-                          (8, 4096, 128, 128, 1, 64), (8, 4096, 64, 128, 1, 32)])
-def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m2, tmp_path):
+@pytest.mark.parametrize("bits, group, block_n, block_m, split, block_m2, out_fp32",
+                         [(4, 128, 128, 256, 1, 0, False), (8, 4096, 128, 256, 1, 0, False),
+                          (4, 4096, 64, 128, 1, 0, False), (8, 4096, 128, 64, 4, 0, False),
+                          (4, 64, 64, 32, 2, 0, False), (4, 128, 128, 128, 1, 32, False),
+                          (8, 4096, 128, 128, 1, 64, False), (8, 4096, 64, 128, 1, 32, True)])
+def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m2, out_fp32,
+                                   tmp_path):
     """The kernel compiles for sm_90 on a CPU host (in a subprocess: this package's conftest
     turns the interpreter on), warp-specialized (the producer warp gives up registers, the
     consumers take them), x and words by TMA, and its K loop is what the design says: two
@@ -154,13 +162,13 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m
     flight over the next step's decode (the wait leaves one group pending, so ptxas did not
     serialize them), no instruction touching an in-flight wgmma's operand or accumulator
     registers anywhere in the kernel, no local memory, and (K not split) 16-byte stores of the
-    output. With a second wgmma (block_m2) each step issues both on the same operand and the
-    wait leaves one step's pair pending."""
+    output (float32 too). With a second wgmma (block_m2) each step issues both on the same
+    operand and the wait leaves one step's pair pending. smem_bytes bounds its shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, SM90_COMPILE, "wint_ws", "--bits", str(bits),
                           "--group", str(group), "--block-n", str(block_n),
                           "--block-m", str(block_m), "--split", str(split),
-                          "--block-m2", str(block_m2),
+                          "--block-m2", str(block_m2), *(["--out-fp32"] if out_fp32 else []),
                           "--dump", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -174,6 +182,8 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m
     assert loop.count(f"WARPGROUP.DEPBAR.LE gsb0, {'0x2' if block_m2 else '0x1'}") == 2, loop
     assert report["wgmma_hazards"] == []
     assert report["spill_stack_bytes"] == 0
+    tiles = ws.WsTiles(block_n, block_m, report["options"]["stages"], split, block_m2)
+    assert report["shared_bytes"] <= ws.smem_bytes(bits, tiles, 4 if out_fp32 else 2)
     if split == 1:  # the output stored 8 rows of W (16 bytes) at a time, not value by value
         sass = (tmp_path / "wint_ws.sass").read_text()
         assert "STG.E.128" in sass and "STG.E.U16" not in sass
@@ -186,17 +196,27 @@ def test_ws_tiles_least_modelled_time():
     of two take a tile of two wgmmas: gate_up at 160 rows one 128 + 32-row tile a 128 rows of W
     (224 units), qkv at 320 rows 256 + 64; a K that no split divides into 128-code halves is
     not split, even one that is no multiple of 128."""
-    assert ws.ws_tiles(512, 28672, 4096, 132) == ws.WsTiles(128, 256, 5)
-    assert ws.ws_tiles(128, 4096, 14336, 132) == ws.WsTiles(128, 128, 6, split=4)
-    assert ws.ws_tiles(64, 4096, 4096, 132) == ws.WsTiles(64, 64, 8, split=2)
-    assert ws.ws_tiles(160, 28672, 4096, 132) == ws.WsTiles(128, 128, 6, block_m2=32)
-    assert ws.ws_tiles(320, 6144, 4096, 132) == ws.WsTiles(64, 256, 5, block_m2=64)
+    assert ws.ws_tiles(512, 28672, 4096, 132, 4) == ws.WsTiles(128, 256, 5)
+    assert ws.ws_tiles(128, 4096, 14336, 132, 4) == ws.WsTiles(128, 128, 6, split=4)
+    assert ws.ws_tiles(64, 4096, 4096, 132, 4) == ws.WsTiles(64, 64, 8, split=2)
+    assert ws.ws_tiles(160, 28672, 4096, 132, 4) == ws.WsTiles(128, 128, 6, block_m2=32)
+    assert ws.ws_tiles(320, 6144, 4096, 132, 4) == ws.WsTiles(64, 256, 5, block_m2=64)
     # with fewer rows than a tile each row past M costs: 48 rows in 64-row tiles
-    assert ws.ws_tiles(48, 6144, 4096, 132).block_m == 64
-    assert ws.ws_tiles(64, 4096, 384 * 3, 132).split == 1
-    assert ws.ws_tiles(100, 4096, 64 * 65, 132).split == 1  # (wint_ws_applies then says no)
+    assert ws.ws_tiles(48, 6144, 4096, 132, 4).block_m == 64
+    assert ws.ws_tiles(64, 4096, 384 * 3, 132, 4).split == 1
+    assert ws.ws_tiles(100, 4096, 64 * 65, 132, 4).split == 1  # (wint_ws_applies then says no)
     # fewer SMs, fewer units a round: 100 SMs at 256 rows of qkv
-    assert ws.ws_tiles(256, 6144, 4096, 100) == ws.WsTiles(64, 256, 6)
+    assert ws.ws_tiles(256, 6144, 4096, 100, 4) == ws.WsTiles(64, 256, 6)
+
+
+def test_ws_tiles_fit_shared_memory():
+    """64 x (128 + 64) tiles of 8-bit codes fit a bf16 output's store scratch, not a float32
+    one's (an LM head's logits): ws_tiles then picks another."""
+    tiles = ws.WsTiles(64, 128, 8, block_m2=64)
+    assert ws.smem_bytes(8, tiles) <= ws.SMEM_BUDGET < ws.smem_bytes(8, tiles, out_bytes=4)
+    assert ws.ws_tiles(176, 6144, 4096, 132, 8) == tiles
+    picked = ws.ws_tiles(176, 6144, 4096, 132, 8, out_bytes=4)
+    assert picked != tiles and ws.smem_bytes(8, picked, out_bytes=4) <= ws.SMEM_BUDGET
 
 
 def test_wint_ws_preferred_by_rows_and_code_width():
