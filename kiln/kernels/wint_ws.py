@@ -28,7 +28,11 @@ K step (wint_mma.retire_each_step), and from 32-48 rows this kernel beats it
   straight into the register operand, multiply by x in shared memory and release the stage
   ("empty" mbarrier) once that wgmma is done. Each step's wgmma runs while the next step
   decodes (see _consume for what that takes from ptxas). A whole tile's output is stored from
-  a layout of 8 rows of W a thread, 16 bytes at a time (_out_layout).
+  a layout of 8 rows of W a thread, 16 bytes at a time (_out_layout);
+- a tile of x rows that are no power of two (WsTiles.block_m2: 160 = 128 + 32) has a second
+  TMA box and ring of x and a second wgmma and accumulator on the same decoded operand (Gluon's
+  register tensors and TMA boxes are powers of two): gate_up at 160 rows no longer computes
+  96 rows past M in every tile (results/h100/wint_ws_composite.txt).
 
 Group scales (64 or 128 codes) multiply the decoded weights (rounded to x's dtype, as the
 dequantized reference's); per-channel scales multiply the accumulator once at the end.
