@@ -16,7 +16,8 @@ split _split picks ("*" in its key), half and twice it. Each row also times what
 runs at that M (quant_gemm.wint_linear_triton: dequantize + cuBLAS past MMA_MAX_M) and
 dequantize + cuBLAS itself, the alternative MMA_MAX_M is set against. --ws adds the persistent
 Gluon kernel (kiln/kernels/wint_ws.py) at each of WS_TILES or --ws-tiles ("ws 128x256s4k1":
-rows of W x rows of x, stages, K split), and at ws_tiles' pick, checked the same way.
+rows of W x rows of x, stages, K split), and at the library's pick (ws_plan: one launch, or two
+over W's rows, then also ws_tiles' one launch), checked the same way.
 """
 
 from __future__ import annotations
@@ -107,12 +108,15 @@ def sweep_one(n: int, k: int, bits: int, group: int, m: int, gen: torch.Generato
     for t in ws_tiles:  # (a split K does not divide: wint_ws_gemm's assertion, recorded)
         row[f"ws {t.name}"] = checked(
             lambda a, t=t: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=t))
-    if with_ws:
-        picked = ws.ws_tiles(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count,
-                             bits)
-        row["ws_default"] = str(picked)
-        row["ws_default_us"] = checked(
-            lambda a: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=picked))
+    if with_ws:  # the library's launches (ws_plan), and ws_tiles' one launch where they differ
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        plan, one = ws.ws_plan(m, n, k, sms, bits), ws.ws_tiles(m, n, k, sms, bits)
+        row["ws_default"] = " + ".join(f"{p.tiles.name} x {p.rows}" for p in plan)
+        row["ws_default_us"] = checked(lambda a: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g))
+        if len(plan) > 1:
+            row["ws_one"] = one.name
+            row["ws_one_us"] = checked(
+                lambda a: lambda: ws.wint_ws_gemm(x, a[0], a[1], bits, g, tiles=one))
     if default_only or ws_only:
         return row
     k_step = g if g < k else wm._per_channel_step(k)
@@ -136,11 +140,11 @@ def main() -> None:
     parser.add_argument("--default-only", action="store_true",
                         help="time wint_mma_tiles' picks only (and bf16)")
     parser.add_argument("--ws", action="store_true",
-                        help="also time wint_ws at --ws-tiles and at ws_tiles' pick")
+                        help="also time wint_ws at --ws-tiles and at the library's pick (ws_plan)")
     parser.add_argument("--ws-tiles", default=",".join(f"{n}x{m}s{s}" for n, m, s in WS_TILES),
                         help="with --ws: wint_ws tilings, rows of W x rows of x s stages "
                              "[k split], as 128x64s8k4, or two wgmmas' rows of x as "
-                             "128x128+32s6; empty: ws_tiles' pick only")
+                             "128x128+32s6; empty: the library's pick only")
     parser.add_argument("--ws-only", action="store_true",
                         help="with --ws: time wint_ws and bf16 only (not wint_mma, the library's "
                              "path, dequantize + cuBLAS)")

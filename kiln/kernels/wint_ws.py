@@ -40,8 +40,10 @@ dequantized reference's); per-channel scales multiply the accumulator once at th
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -491,23 +493,65 @@ WS_MIN_M = {4: 48, 8: 32}
 WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured against this kernel)
 
 
+# us a plan's second launch costs (its fill and drain: about the decode GEMMs' per-kernel floor,
+# results/h100/gemm_sm90.txt)
+LAUNCH_US = 3.0
+
+
+class WsLaunch(NamedTuple):
+    """One launch of a plan (ws_plan): W's rows [row0, row0 + rows) in ``tiles``."""
+
+    row0: int
+    rows: int
+    tiles: WsTiles
+
+
+def _cost(tiles: WsTiles, m: int, n: int, k: int, sms: int) -> float:
+    """Modelled us of x [M, K] @ W [N, K]^T in ``tiles`` on ``sms`` multiprocessors."""
+    a, b, c, d = _COSTS[replace(tiles, split=1)]
+    rounds = -(-_tiles(m, n, tiles) * tiles.split // sms)
+    shifted = tiles.block_n * tiles.rows <= SHIFT_MAX_ELEMS
+    past_m = tiles.rows - m if shifted else -(-m // tiles.rows) * tiles.rows - m
+    unit = a + b * k / STEP / tiles.split + d * max(0, past_m)
+    return rounds * unit + (c if tiles.split > 1 else 0.0)
+
+
+def _candidates(k: int, bits: int, out_bytes: int) -> list[WsTiles]:
+    """Every tiling and K split of _COSTS that K splits into and whose shared memory
+    (``bits``-bit codes, an output of ``out_bytes`` a value) fits SMEM_BUDGET."""
+    return [replace(tiles, split=split) for tiles, (_, _, c, _) in _COSTS.items()
+            for split in SPLITS
+            if (split == 1 or c is not None and _splits_k(k, split))
+            and smem_bytes(bits, tiles, out_bytes) <= SMEM_BUDGET]
+
+
+@functools.lru_cache(maxsize=4096)  # (a decode step asks for the same few shapes every step)
 def ws_tiles(m: int, n: int, k: int, sms: int, bits: int, out_bytes: int = 2) -> WsTiles:
-    """The tiling and K split of least modelled time (_COSTS) for x [M, K] @
-    W [N, K]^T on ``sms`` multiprocessors, of those whose shared memory (``bits``-bit codes, an
-    output of ``out_bytes`` a value) fits SMEM_BUDGET."""
+    """The tiling and K split of least modelled time (_COSTS) for x [M, K] @ W [N, K]^T on
+    ``sms`` multiprocessors, of those that fit (_candidates)."""
+    return min(_candidates(k, bits, out_bytes), key=lambda tiles: _cost(tiles, m, n, k, sms))
 
-    def cost(tiles: WsTiles) -> float:
-        a, b, c, d = _COSTS[replace(tiles, split=1)]
-        rounds = -(-_tiles(m, n, tiles) * tiles.split // sms)
-        shifted = tiles.block_n * tiles.rows <= SHIFT_MAX_ELEMS
-        past_m = tiles.rows - m if shifted else -(-m // tiles.rows) * tiles.rows - m
-        unit = a + b * k / STEP / tiles.split + d * max(0, past_m)
-        return rounds * unit + (c if tiles.split > 1 else 0.0)
 
-    return min((replace(tiles, split=split) for tiles, (_, _, c, _) in _COSTS.items()
-                for split in SPLITS
-                if (split == 1 or c is not None and _splits_k(k, split))
-                and smem_bytes(bits, tiles, out_bytes) <= SMEM_BUDGET), key=cost)
+@functools.lru_cache(maxsize=4096)
+def ws_plan(m: int, n: int, k: int, sms: int, bits: int,
+            out_bytes: int = 2) -> tuple[WsLaunch, ...]:
+    """ws_tiles' tiling in one launch, or where the model says it is faster, two: a tiling's
+    whole rounds over the first rows of W, then the rows left in a launch of their own tiling
+    (ws_tiles' for them). A last round that leaves most SMs idle (gate_up at 512 rows in 128 x
+    256 tiles: 448 units on 132 SMs) becomes a launch of smaller tiles over every SM. Every
+    launch's first row is a multiple of 64 (16-byte aligned words and output columns)."""
+    one = ws_tiles(m, n, k, sms, bits, out_bytes)
+    best, plan = _cost(one, m, n, k, sms), (WsLaunch(0, n, one),)
+    for tiles in _candidates(k, bits, out_bytes):
+        whole = _tiles(m, n, tiles) * tiles.split // sms * sms  # units of the whole rounds
+        rows = whole // (-(-m // tiles.rows) * tiles.split) * tiles.block_n
+        if not 0 < rows < n:
+            continue
+        rest = ws_tiles(m, n - rows, k, sms, bits, out_bytes)
+        cost = _cost(tiles, m, rows, k, sms) + _cost(rest, m, n - rows, k, sms) + LAUNCH_US
+        if cost < best:
+            best, plan = cost, (WsLaunch(0, rows, tiles), WsLaunch(rows, n - rows, rest))
+    return plan
 
 
 def wint_ws_preferred(m: int, bits: int) -> bool:
@@ -569,7 +613,7 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     loop pass), scales in x's dtype (the decoded weights are multiplied in it), the shared
     memory (the output in ``out_dtype``, x's by default) within SMEM_BUDGET, the output's
     offsets, the last x tile's rows included, within 32 bits, and with K split, no more output
-    tiles than the arrival counters."""
+    tiles than the arrival counters; in ``tiles``, else in every launch of ws_plan's."""
     if not (HAS_GLUON and x.is_cuda and words.is_cuda):
         return False
     if torch.cuda.get_device_capability(x.device) != (9, 0):
@@ -577,18 +621,28 @@ def wint_ws_applies(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     m, k = x.shape
     n = words.shape[0]
     out_bytes = (out_dtype or x.dtype).itemsize
-    tiles = tiles or ws_tiles(m, n, k, num_sms(x.device), bits, out_bytes)
     per_channel = group >= k
     return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
             and words.dtype == torch.int32 and words.is_contiguous()
-            and words.data_ptr() % 16 == 0 and _splits_k(k, tiles.split)
+            and words.data_ptr() % 16 == 0
             and (bits == 4 and (per_channel or group in (64, 128) and k % group == 0)
                  or bits == 8 and per_channel)
             and scales.stride(1) == 1 and scales.dtype == x.dtype
             and -(-m // 256) * 256 * _out_width(n) < 2**31
-            and smem_bytes(bits, tiles, out_bytes) <= SMEM_BUDGET
-            and (tiles.split == 1 or _tiles(m, n, tiles) <= COUNTER_CAPACITY))
+            and all(_splits_k(k, part.tiles.split)
+                    and smem_bytes(bits, part.tiles, out_bytes) <= SMEM_BUDGET
+                    and (part.tiles.split == 1
+                         or _tiles(m, part.rows, part.tiles) <= COUNTER_CAPACITY)
+                    for part in _plan(m, n, k, x.device, bits, tiles, out_bytes)))
+
+
+def _plan(m: int, n: int, k: int, device: torch.device, bits: int, tiles: WsTiles | None,
+          out_bytes: int) -> tuple[WsLaunch, ...]:
+    """One launch in ``tiles`` if given, else ws_plan's."""
+    if tiles is not None:
+        return (WsLaunch(0, n, tiles),)
+    return ws_plan(m, n, k, num_sms(device), bits, out_bytes)
 
 
 def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -596,12 +650,22 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
                  tiles: WsTiles | None = None) -> torch.Tensor:
     """x [M, K] (16-bit) @ dequantized W^T -> [M, N] in ``out_dtype`` (x's by default); W's
     codes as int32 words [N, K bits / 32], scales [N, K / group] (group >= K: per channel).
-    Tiles: ``ws_tiles``'s unless given."""
+    In ``tiles`` (one launch) if given, else in ws_plan's launches."""
     out_dtype = out_dtype or x.dtype
-    tiles = tiles or ws_tiles(x.shape[0], words.shape[0], x.shape[1], num_sms(x.device), bits,
-                              out_dtype.itemsize)
     assert wint_ws_applies(x, words, scales, bits, group, tiles, out_dtype), \
         "wint_ws_gemm does not take these inputs (see wint_ws_applies)"
+    m, k = x.shape
+    n = words.shape[0]
+    out = torch.empty(m, _out_width(n), device=x.device, dtype=out_dtype)[:, :n]
+    for row0, rows, part_tiles in _plan(m, n, k, x.device, bits, tiles, out_dtype.itemsize):
+        rows_of = slice(row0, row0 + rows)
+        _launch(x, words[rows_of], scales[rows_of], out[:, rows_of], bits, group, part_tiles)
+    return out.contiguous()
+
+
+def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+            bits: int, group: int, tiles: WsTiles) -> None:
+    """One launch: x @ W^T into ``out`` [M, N] (a view whose rows may be longer than N)."""
     m, k = x.shape
     n, kw = words.shape
     step_w = STEP * bits // 32
@@ -610,7 +674,6 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
     x2_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [tiles.block_m2 or tiles.block_m,
                                                              STEP], _x_layout())
     w_desc = TensorDescriptor(words, [n, kw], [kw, 1], [tiles.block_n, step_w], _w_layout(bits))
-    out = torch.empty(m, _out_width(n), device=x.device, dtype=out_dtype)[:, :n]
     x_tiles = -(-m // tiles.rows)
     num_units = _tiles(m, n, tiles) * tiles.split
     if tiles.split > 1:  # the float32 partials, then the tile's arrival counter
@@ -626,7 +689,6 @@ def wint_ws_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bit
         x_tiles, num_units, **_constexprs(bits, group, k, tiles, launch["USE_PDL"]),
         num_warps=4 * tiles.consumers, maxnreg=_maxnreg(tiles), launch_pdl=launch["launch_pdl"],
     )  # fmt: skip
-    return out.contiguous()
 
 
 def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,

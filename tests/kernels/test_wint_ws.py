@@ -103,6 +103,16 @@ def test_gpu_wint_ws_fp16_and_repeatable():
 
 
 @gpu
+@pytest.mark.parametrize("bits, group, n, k, m", [(8, -1, 9216, 1024, 300),
+                                                  (4, 128, 6144, 2048, 640)])
+def test_gpu_wint_ws_two_launches(bits, group, n, k, m):
+    """ws_plan's two launches over W's rows (on 132 SMs; test_ws_plan_takes_the_last_round_apart),
+    each writing its columns of one output."""
+    assert len(ws.ws_plan(m, n, k, 132, bits)) == 2
+    _check(n, k, bits, group, m)
+
+
+@gpu
 def test_gpu_wint_ws_float32_output_fits_shared_memory():
     """A float32 output (an LM head's logits) at a shape whose bf16 pick's store scratch would
     not fit it then (test_ws_tiles_fit_shared_memory): the launch takes another tiling."""
@@ -207,6 +217,25 @@ def test_ws_tiles_least_modelled_time():
     assert ws.ws_tiles(100, 4096, 64 * 65, 132, 4).split == 1  # (wint_ws_applies then says no)
     # fewer SMs, fewer units a round: 100 SMs at 256 rows of qkv
     assert ws.ws_tiles(256, 6144, 4096, 100, 4) == ws.WsTiles(64, 256, 6)
+
+
+def test_ws_plan_takes_the_last_round_apart():
+    """gate_up at 512 rows in 128 x 256 tiles is 448 units on 132 SMs: the plan runs 396 of
+    them (3 whole rounds, 25344 rows of W), then the 3328 rows left in 64 x 256 tiles, one
+    launch over every SM. Where the last round is full enough, one launch (qkv at 256 rows).
+    Launches cover W's rows in order from multiples of 64."""
+    assert ws.ws_plan(512, 28672, 4096, 132, 4) == (
+        ws.WsLaunch(0, 25344, ws.WsTiles(128, 256, 5)),
+        ws.WsLaunch(25344, 3328, ws.WsTiles(64, 256, 6)))
+    assert ws.ws_plan(256, 6144, 4096, 132, 4) == (
+        ws.WsLaunch(0, 6144, ws.ws_tiles(256, 6144, 4096, 132, 4)),)
+    for m in (48, 160, 300, 640, 1024):
+        for n, k in ((6144, 4096), (28672, 4096), (4096, 14336), (9216, 2048)):
+            plan = ws.ws_plan(m, n, k, 132, 8, 4)
+            assert [p.row0 for p in plan] == [sum(p.rows for p in plan[:i])
+                                              for i in range(len(plan))]
+            assert sum(p.rows for p in plan) == n and all(p.row0 % 64 == 0 for p in plan)
+            assert all(ws.smem_bytes(8, p.tiles, 4) <= ws.SMEM_BUDGET for p in plan)
 
 
 def test_ws_tiles_fit_shared_memory():
