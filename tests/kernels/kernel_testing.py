@@ -1,6 +1,12 @@
-"""Helpers shared by the kernel tests: error measure, GPU marker, paged KV fixtures."""
+"""Helpers shared by the kernel tests: error measure, GPU marker, paged KV fixtures, the sm_90
+compile report."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +16,19 @@ from kiln.kernels._triton import HAS_TRITON
 # bf16 is wrong under the Triton interpreter (fp16 and fp32 are right): see shared/GPU.md
 INTERPRET_DTYPES = [torch.float32, torch.float16]
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+SM90_COMPILE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
+                            "sm90_compile.py")
+
+
+def sm90_compile_report(*args: str, timeout: int = 300) -> dict:
+    """benchmarks/sm90_compile.py's JSON report for these arguments, run as a user would (it
+    turns the interpreter off itself); it must succeed."""
+    run = subprocess.run([sys.executable, SM90_COMPILE, *args], capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def gpu(fn):

@@ -1,25 +1,14 @@
 """benchmarks/sm90_compile.py compiles the GEMM kernels for sm_90 without a GPU (Triton's own
 ptxas) and reads the machine code back: run it as a user would, on both kernels."""
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-from kernel_testing import needs_triton
+from kernel_testing import SM90_COMPILE, needs_triton, sm90_compile_report
 
 from kiln.kernels.gemm import PREFETCH_K_STEPS
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sm90_compile.py")
-
-
-def _report(*args: str) -> dict:
-    """The script's JSON report for these arguments, run as a user would; it must succeed."""
-    run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @needs_triton
@@ -28,7 +17,7 @@ def _report(*args: str) -> dict:
     (["wint_mma", "--block-n", "64", "--block-m", "64", "--k-step", "64", "--split", "2"], 4),
 ])  # fmt: skip
 def test_sm90_compile_reports_the_k_loop(args, wgmma_per_step, tmp_path):
-    report = _report(*args, "--dump", str(tmp_path))
+    report = sm90_compile_report(*args, "--dump", str(tmp_path))
     assert 0 < report["registers"] <= 255 and report["spill_stack_bytes"] == 0
     assert report["k_loop_wgmmas"] == wgmma_per_step
     assert report["k_loop_instructions"] > wgmma_per_step
@@ -42,14 +31,15 @@ def test_gemm_asks_l2_for_its_first_weights_only_with_pdl(pdl):
     """With PDL each thread of the 64-column GEMM asks L2 for its share of the first K steps'
     weight lines before the wait (64 rows x 2 lines a 128-deep step over 128 threads: one a
     step), never in the K loop; without PDL there is nothing to overlap and no prefetch."""
-    report = _report("gemm", "--block-n", "64", "--stages", "3", *(["--pdl"] if pdl else []))
+    report = sm90_compile_report("gemm", "--block-n", "64", "--stages", "3",
+                                 *(["--pdl"] if pdl else []))
     assert report["l2_prefetches"] == (PREFETCH_K_STEPS if pdl else 0)
     assert report["k_loop_l2_prefetches"] == 0
 
 
 @needs_triton
 def test_sm90_compile_names_an_unknown_unspecialized_argument():
-    run = subprocess.run([sys.executable, SCRIPT, "gemm", "--unspecialized", "M,stride_zz"],
+    run = subprocess.run([sys.executable, SM90_COMPILE, "gemm", "--unspecialized", "M,stride_zz"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
     assert "['stride_zz'] are not integer arguments of _gemm_kernel" in run.stderr
@@ -65,7 +55,7 @@ def test_wint_mma_writes_no_register_of_a_wgmma_in_flight(args):
     """The next step's decode writes no register an unretired wgmma reads: by the installed
     Triton's pipelining, or by the wait wint_mma.retire_each_step adds where Triton 3.6 does not
     (these tiles had 77 and 51 such writes there without it)."""
-    report = _report("wint_mma", *args)
+    report = sm90_compile_report("wint_mma", *args)
     assert report["k_loop_wgmmas"] > 0 and report["wgmma_hazards"] == []
 
 
@@ -79,7 +69,7 @@ def test_wgmma_hazards_flags_writes_to_an_in_flight_operand_and_reads_of_its_acc
     """The two faults wint_ws met (results/h100/wint_ws_overlap.txt 2.): a decode writing the
     register operand of a wgmma that a DEPBAR left running, and an epilogue reading the
     accumulator before the last DEPBAR; nothing once the DEPBAR has retired the group."""
-    sys.path.insert(0, os.path.dirname(SCRIPT))
+    sys.path.insert(0, os.path.dirname(SM90_COMPILE))
     from sass_hazards import wgmma_hazards
 
     hgmma = "HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR16], R24, gsb0"
