@@ -11,7 +11,9 @@ those layers (`--decode-gemms`). Each is timed alone, then both launched togethe
 streams (the decode one at normal or high priority); the saving is alone(P) + alone(D) -
 together, as a share of alone(D): 100% would mean D ran entirely in P's shadow. `--carveout N`
 runs P's GEMMs through cuBLASLt told to leave N SMs free (torch's experimental SM carveout),
-so that D has SMs of its own.
+so that D has SMs of its own. `--green N` runs D, alone and together, on a stream of a CUDA
+green context of N SMs (torch.cuda.green_contexts): D's rate on N SMs is what an SM partition
+(a few SMs decoding while the rest run the prefill's GEMMs) would get.
 """
 
 from __future__ import annotations
@@ -79,12 +81,38 @@ def time_ms(launch: Callable[[], None], reps: int = 5) -> float:
     return statistics.median(times[1:])  # the first run warms up
 
 
-def together(prefill: Callable[[], None], decode: Callable[[], None],
-             priority: int) -> Callable[[], None]:
-    """Both launched at once, each on its own stream (the decode one at `priority`)."""
+def on_stream(work: Callable[[], None], stream: torch.cuda.Stream) -> Callable[[], None]:
+    """`work` launched on `stream`, which joins the current one before and after."""
+    main = torch.cuda.current_stream()
+
+    def launch() -> None:
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            work()
+        main.wait_stream(stream)
+
+    return launch
+
+
+def green_stream(num_sms: int) -> torch.cuda.Stream:
+    """A stream whose kernels run on `num_sms` SMs only: a CUDA green context's (torch 2.9's
+    API: make_current / pop_current around a new stream; later ones: GreenContext.Stream)."""
+    ctx = torch.cuda.green_contexts.GreenContext.create(num_sms=num_sms)
+    if hasattr(ctx, "Stream"):
+        return ctx.Stream()
+    ctx.make_current()
+    stream = torch.cuda.Stream()
+    ctx.pop_current()
+    return stream
+
+
+def together(prefill: Callable[[], None], decode: Callable[[], None], priority: int,
+             decode_stream: torch.cuda.Stream | None = None) -> Callable[[], None]:
+    """Both launched at once, each on its own stream (the decode one at `priority`, or
+    `decode_stream`)."""
     main = torch.cuda.current_stream()
     side_p = torch.cuda.Stream()
-    side_d = torch.cuda.Stream(priority=priority)
+    side_d = decode_stream or torch.cuda.Stream(priority=priority)
 
     def launch() -> None:
         for s in (side_p, side_d):
@@ -108,13 +136,17 @@ def main() -> None:
     parser.add_argument("--decode-ctx", type=int, default=640)
     parser.add_argument("--decode-gemms", action="store_true")
     parser.add_argument("--carveout", type=int, default=0, help="SMs P's GEMMs leave free")
+    parser.add_argument("--green", type=int, default=0,
+                        help="D on a stream of a green context of this many SMs")
     args = parser.parse_args()
     if args.carveout:
         torch.backends.cuda.preferred_blas_library("cublaslt")
         torch._C._set_sm_carveout_experimental(args.carveout)
     prefill = gemm_work(args.prefill_tokens, args.layers)
     decode = decode_work(args.decode_batch, args.decode_ctx, args.layers, args.decode_gemms)
-    p_ms, d_ms = time_ms(prefill), time_ms(decode)
+    green = green_stream(args.green) if args.green else None
+    p_ms = time_ms(prefill)
+    d_ms = time_ms(on_stream(decode, green) if green else decode)
     kv_gb = 2 * args.decode_batch * args.decode_ctx * KV_HEADS * HEAD_DIM * 2 * args.layers / 1e9
     flop = 2 * args.prefill_tokens * sum(k * n for k, n in LAYER_GEMMS) * args.layers
     report = {"config": vars(args), "device": torch.cuda.get_device_name(),
@@ -125,7 +157,9 @@ def main() -> None:
         report["decode_kv_gb_s"] = kv_gb / d_ms * 1e3
     _, high = torch.cuda.Stream.priority_range()  # (lowest, highest)
     for name, priority in (("same_priority", 0), ("decode_high_priority", high)):
-        both = time_ms(together(prefill, decode, priority))
+        if green and priority:  # (a green context's stream has its own priority)
+            continue
+        both = time_ms(together(prefill, decode, priority, green))
         report[name] = {"together_ms": both, "saved_ms": p_ms + d_ms - both,
                         "saved_share_of_decode": (p_ms + d_ms - both) / d_ms}
     print(json.dumps(report, indent=1), flush=True)
