@@ -95,8 +95,8 @@ def on_stream(work: Callable[[], None], stream: torch.cuda.Stream) -> Callable[[
 
 
 def green_stream(num_sms: int) -> torch.cuda.Stream:
-    """A stream whose kernels run on `num_sms` SMs only: a CUDA green context's (torch 2.9's
-    API: make_current / pop_current around a new stream; later ones: GreenContext.Stream)."""
+    """A stream whose kernels run on `num_sms` SMs only: a CUDA green context's (its
+    GreenContext.Stream, or in older torch a stream made while the context is current)."""
     ctx = torch.cuda.green_contexts.GreenContext.create(num_sms=num_sms)
     if hasattr(ctx, "Stream"):
         return ctx.Stream()
