@@ -94,10 +94,14 @@ def on_stream(work: Callable[[], None], stream: torch.cuda.Stream) -> Callable[[
     return launch
 
 
+_CONTEXTS = []  # the green contexts made here, alive while the process runs
+
+
 def green_stream(num_sms: int) -> torch.cuda.Stream:
     """A stream whose kernels run on `num_sms` SMs only: a CUDA green context's (its
     GreenContext.Stream, or in older torch a stream made while the context is current)."""
     ctx = torch.cuda.green_contexts.GreenContext.create(num_sms=num_sms)
+    _CONTEXTS.append(ctx)  # destroyed with its last reference, it takes its streams with it
     if hasattr(ctx, "Stream"):
         return ctx.Stream()
     ctx.make_current()
