@@ -144,7 +144,7 @@ def main() -> None:
     decode = decode_work(args.decode_batch, args.decode_ctx, args.layers, args.decode_gemms)
     streams = None
     if args.green:
-        p_stream, p_sms, d_stream, d_sms = split(args.green)
+        d_stream, d_sms, p_stream, p_sms = split(args.green)
         streams = (p_stream, d_stream)
     p_ms = time_ms(on_stream(prefill, streams[0]) if streams else prefill)
     d_ms = time_ms(on_stream(decode, streams[1]) if streams else decode)
