@@ -11,7 +11,9 @@ those layers (`--decode-gemms`). Each is timed alone, then both launched togethe
 streams (the decode one at normal or high priority); the saving is alone(P) + alone(D) -
 together, as a share of alone(D): 100% would mean D ran entirely in P's shadow. `--carveout N`
 runs P's GEMMs through cuBLASLt told to leave N SMs free (torch's experimental SM carveout),
-so that D has SMs of its own.
+so that D has SMs of its own. `--green N` splits the SMs instead (CUDA green contexts,
+benchmarks/green_split.py): D on N of them, P on the others, alone, together on their two
+streams and together in one CUDA graph (results/h100/sm_partition.txt).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable
 import torch
 import triton
 from gpu_kernels import paged_problem  # benchmarks/ is the script's sys.path[0]
+from green_split import split
 
 from kiln.kernels.attention_decode import paged_attention_decode_triton
 
@@ -79,14 +82,28 @@ def time_ms(launch: Callable[[], None], reps: int = 5) -> float:
     return statistics.median(times[1:])  # the first run warms up
 
 
-def together(prefill: Callable[[], None], decode: Callable[[], None],
-             priority: int) -> Callable[[], None]:
-    """Both launched at once, each on its own stream (the decode one at `priority`)."""
+def on_stream(work: Callable[[], None], stream: torch.cuda.Stream) -> Callable[[], None]:
+    """`work` launched on `stream`, which joins the current one before and after."""
     main = torch.cuda.current_stream()
-    side_p = torch.cuda.Stream()
-    side_d = torch.cuda.Stream(priority=priority)
 
     def launch() -> None:
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            work()
+        main.wait_stream(stream)
+
+    return launch
+
+
+def together(prefill: Callable[[], None], decode: Callable[[], None], priority: int,
+             streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+             ) -> Callable[[], None]:
+    """Both launched at once, each on its own stream (the decode one at `priority`), or on
+    `streams` (P's, D's)."""
+    side_p, side_d = streams or (torch.cuda.Stream(), torch.cuda.Stream(priority=priority))
+
+    def launch() -> None:
+        main = torch.cuda.current_stream()  # (a graph's capture stream inside graphed)
         for s in (side_p, side_d):
             s.wait_stream(main)
         with torch.cuda.stream(side_p):
@@ -99,6 +116,15 @@ def together(prefill: Callable[[], None], decode: Callable[[], None],
     return launch
 
 
+def graphed(launch: Callable[[], None]) -> Callable[[], None]:
+    """`launch` captured once into a CUDA graph (its streams forked and joined inside), then
+    replayed."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+        launch()
+    return graph.replay
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -108,24 +134,38 @@ def main() -> None:
     parser.add_argument("--decode-ctx", type=int, default=640)
     parser.add_argument("--decode-gemms", action="store_true")
     parser.add_argument("--carveout", type=int, default=0, help="SMs P's GEMMs leave free")
+    parser.add_argument("--green", type=int, default=0,
+                        help="D on a green context of this many SMs, P on one of the others")
     args = parser.parse_args()
     if args.carveout:
         torch.backends.cuda.preferred_blas_library("cublaslt")
         torch._C._set_sm_carveout_experimental(args.carveout)
     prefill = gemm_work(args.prefill_tokens, args.layers)
     decode = decode_work(args.decode_batch, args.decode_ctx, args.layers, args.decode_gemms)
-    p_ms, d_ms = time_ms(prefill), time_ms(decode)
+    streams = None
+    if args.green:
+        d_stream, d_sms, p_stream, p_sms = split(args.green)
+        streams = (p_stream, d_stream)
+    p_ms = time_ms(on_stream(prefill, streams[0]) if streams else prefill)
+    d_ms = time_ms(on_stream(decode, streams[1]) if streams else decode)
     kv_gb = 2 * args.decode_batch * args.decode_ctx * KV_HEADS * HEAD_DIM * 2 * args.layers / 1e9
     flop = 2 * args.prefill_tokens * sum(k * n for k, n in LAYER_GEMMS) * args.layers
     report = {"config": vars(args), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__,
               "commit": os.environ.get("KILN_GIT_COMMIT", "unknown"), "prefill_ms": p_ms,
               "decode_ms": d_ms, "prefill_tflop_s": flop / p_ms / 1e9}
+    if streams:
+        report.update(prefill_sms=p_sms, decode_sms=d_sms)
     if not args.decode_gemms:  # D is the attention alone: its rate over the K/V it reads
         report["decode_kv_gb_s"] = kv_gb / d_ms * 1e3
     _, high = torch.cuda.Stream.priority_range()  # (lowest, highest)
-    for name, priority in (("same_priority", 0), ("decode_high_priority", high)):
-        both = time_ms(together(prefill, decode, priority))
+    runs = [("same_priority", together(prefill, decode, 0, streams))]
+    if streams:  # (a green context's stream has its own priority)
+        runs.append(("one_graph", graphed(runs[0][1])))
+    else:
+        runs.append(("decode_high_priority", together(prefill, decode, high)))
+    for name, launch in runs:
+        both = time_ms(launch)
         report[name] = {"together_ms": both, "saved_ms": p_ms + d_ms - both,
                         "saved_share_of_decode": (p_ms + d_ms - both) / d_ms}
     print(json.dumps(report, indent=1), flush=True)
