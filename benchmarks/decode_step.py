@@ -43,7 +43,7 @@ for batch in [int(b) for b in args.batch_size.split(",")]:
                          f"cache has {engine.kv_cache.num_blocks}")
     tables = [list(range(i * pages, (i + 1) * pages)) for i in range(batch)]
     graphs.run([0] * batch, [args.context - 1] * batch, tables)  # inputs, once
-    graph = graphs.graphs[("decode", next(s for s in graphs.batch_sizes if s >= batch))]
+    graph = graphs.graphs[("decode", graphs.replay_size(batch))]
     for _ in range(10):
         graph.replay()
     start.record()

@@ -1,7 +1,8 @@
 """CUDA graphs for decode steps (a ladder of batch sizes) and for prefills of up to
 MAX_PREFILL_SEQS prompts together (a ladder of token counts), each replayed padded up to the
-next captured size; a step that admits prompts beside decodes replays the decode graph, then the
-prefill graph of its prompts.
+next captured size (a decode batch: or to a larger one that start-up timing found faster); a
+step that admits prompts beside decodes replays the decode graph, then the prefill graph of its
+prompts.
 
 A step launches hundreds of small kernels; replaying a captured graph removes their launch
 overhead, which dominates at small batch (decode) and for short prompts (time to first token).
@@ -19,6 +20,7 @@ KV and no real row attends to them.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 import torch
@@ -35,6 +37,18 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 1025, 16))
     capped = [s for s in sizes if s < max_num_seqs]
     return capped + [max_num_seqs]
+
+
+def fastest_holding(sizes: list[int], ms: dict[int, float], margin: float = 0.05) -> dict[int, int]:
+    """For each batch size whose graph a larger one beats by more than ``margin`` (its device
+    time ``ms``), the fastest larger size: a batch padded up to it runs sooner (cuBLAS's bf16
+    GEMMs at 448 rows take longer than at 512 on the H100). Padded rows cost only GEMM rows."""
+    route = {}
+    for i, size in enumerate(sizes):
+        best = min(sizes[i:], key=ms.__getitem__)
+        if ms[best] < (1 - margin) * ms[size]:
+            route[size] = best
+    return route
 
 
 PREFILL_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024)
@@ -75,6 +89,7 @@ class StepGraphs:
         self.logits: dict[tuple[str, int], torch.Tensor] = {}  # [rows, vocab] float32
         self.greedy_ids: dict[tuple[str, int], torch.Tensor] = {}  # [rows] argmax
         self.pool = None
+        self._route: dict[int, int] = {}  # batch size -> a larger, faster graph (capture)
         # One set per run, used in turn: with async scheduling the host fills step N+1's inputs
         # while the copies of step N's (up to MAX_RUNS_PER_STEP runs each) may still wait in
         # the stream; it has waited for step N before it comes back to step N's sets.
@@ -125,11 +140,40 @@ class StepGraphs:
                 self.pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize()
+        ms = self._decode_ms()
+        self._route = fastest_holding(self.batch_sizes, ms)
         seconds = time.perf_counter() - start
         log.info("captured %d CUDA graphs (decode batch 1..%d, prefill up to %d tokens) in "
                  "%.1f s", len(self.graphs), self.batch_sizes[-1],
                  max(self.prefill_sizes, default=0), seconds)
+        for size, larger in self._route.items():
+            log.info("decode batch %d replays the graph of %d (%.2f ms against %.2f)", size,
+                     larger, ms[larger], ms[size])
         return seconds
+
+    def _decode_ms(self) -> dict[int, float]:
+        """Device ms of a replay of each decode graph, the median of three after a first, on the
+        capture's inputs (one token of context a sequence: about the step's GEMMs alone)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ms = {}
+        for size in self.batch_sizes:
+            graph = self.graphs[("decode", size)]
+            graph.replay()
+            times = []
+            for _ in range(3):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            ms[size] = statistics.median(times)
+        return ms
+
+    def replay_size(self, num_seqs: int) -> int:
+        """The decode graph ``num_seqs`` sequences replay: the smallest that holds them, or a
+        larger one that start-up timing found faster (fastest_holding)."""
+        smallest = next(s for s in self.batch_sizes if s >= num_seqs)
+        return self._route.get(smallest, smallest)
 
     def fits(self, num_seqs: int) -> bool:
         return bool(self.graphs) and num_seqs <= self.batch_sizes[-1]
@@ -182,14 +226,14 @@ class StepGraphs:
 
     def run(self, tokens: list[int] | torch.Tensor, positions: list[int],
             tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the smallest graph holding the batch: (logits [n, vocab], argmax ids [n]).
+        """Replay the batch's graph (replay_size): (logits [n, vocab], argmax ids [n]).
 
         Sequence i feeds ``tokens[i]`` at ``positions[i]`` and reads blocks ``tables[i]``;
         padded rows write nothing and attend to one slot of block 0. ``tokens`` may already
         be on the device (async scheduling: the step in flight is sampling them).
         """
         n = len(positions)
-        bs = next(s for s in self.batch_sizes if s >= n)
+        bs = self.replay_size(n)
         width = max(len(t) for t in tables)
         bsz = self.block_size
         slots = [t[p // bsz] * bsz + p % bsz for t, p in zip(tables, positions, strict=True)]

@@ -269,6 +269,23 @@ def test_prompts_admitted_beside_decodes_replay_two_graphs(monkeypatch):
         assert max(len(chunks) for chunks in replays) == 3, replays
 
 
+def test_batches_padded_to_a_larger_faster_graph_change_no_token(monkeypatch):
+    """Where start-up timing finds a larger decode graph faster, a batch replays it with padded
+    rows: every token is the eager engine's (float32), here with every batch routed to the
+    largest graph."""
+    from kiln.engine import cuda_graphs
+
+    def largest(sizes, ms, margin=0.05):
+        return {size: sizes[-1] for size in sizes[:-1]}
+
+    monkeypatch.setattr(cuda_graphs, "fastest_holding", largest)
+    prompts, _ = _heldout_workload(12, seed=5)
+    params = [kiln.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 12
+    gaps = [2, 0, 2, 0, 0, 2, 2, 0, 0, 2, 2, 2]
+    eager = _staggered_tokens(prompts, params, gaps, enforce_eager=True)
+    assert _staggered_tokens(prompts, params, gaps) == eager
+
+
 def test_graph_steps_sample_logprobs_and_penalties_like_eager(monkeypatch):
     """Admissions beside decodes where requests ask for logprobs or penalties: the two replays'
     logits are sampled together, and every token and logprob is the eager engine's (float32)."""
