@@ -278,12 +278,25 @@ def test_batches_padded_to_a_larger_faster_graph_change_no_token(monkeypatch):
     def largest(sizes, ms, margin=0.05):
         return {size: sizes[-1] for size in sizes[:-1]}
 
+    replayed = []  # (the smallest graph holding a batch, the graph it replayed, the largest)
+    real_replay_size = cuda_graphs.StepGraphs.replay_size
+
+    def recording_replay_size(self, num_seqs):
+        size = real_replay_size(self, num_seqs)
+        smallest = next(s for s in self.batch_sizes if s >= num_seqs)
+        replayed.append((smallest, size, self.batch_sizes[-1]))
+        return size
+
     monkeypatch.setattr(cuda_graphs, "fastest_holding", largest)
+    monkeypatch.setattr(cuda_graphs.StepGraphs, "replay_size", recording_replay_size)
     prompts, _ = _heldout_workload(12, seed=5)
     params = [kiln.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 12
     gaps = [2, 0, 2, 0, 0, 2, 2, 0, 0, 2, 2, 2]
     eager = _staggered_tokens(prompts, params, gaps, enforce_eager=True)
+    assert not replayed  # no graphs
     assert _staggered_tokens(prompts, params, gaps) == eager
+    assert replayed and all(size == largest_size for _, size, largest_size in replayed)
+    assert any(smallest < size for smallest, size, _ in replayed)  # past the next graph
 
 
 def test_graph_steps_sample_logprobs_and_penalties_like_eager(monkeypatch):
