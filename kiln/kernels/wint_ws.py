@@ -463,26 +463,29 @@ def _wint_ws_kernel(
 
 
 # Each tiling's cost model, fitted to the H100 sweeps of Llama-3.1-8B's layers at 48-1024 rows
-# (benchmarks/results/h100/wint_ws_composite.txt): a round of units (a tile's K, or a split of
-# it) over the SMs takes a + b x the unit's K steps + d x the rows of x past M in a box (TMA's
-# zero fill; _x_start shifts the last box of tiles up to SHIFT_MAX_ELEMS back to end at M, so
-# those pay it only with fewer rows than one box) us, and splitting K adds c us (the partials'
-# sum) once; None: not split (128 x 256, and two-wgmma tiles). Each ring depth is the sweep's
-# fastest.
+# (benchmarks/results/h100/wint_ws_composite.txt, wint_ws_split256.txt): a round of units (a
+# tile's K, or a split of it) over the SMs takes a + (b + e x the MiB of x) x the unit's K steps
+# + d x the rows of x past M in a box (TMA's zero fill; _x_start shifts the last box of tiles up
+# to SHIFT_MAX_ELEMS back to end at M, so those pay it only with fewer rows than one box) us, and
+# splitting K adds c us (the partials' sum) once; None: not split (128 x 256, and two-wgmma
+# tiles). A K step slows as x grows (every W tile's program reads all of x): down_proj's 14336
+# columns at 448-512 rows ran 0.40 us a step in 128 x 128 tiles against gate_up's 0.32, and
+# without e the model picked them (100-106 us) over 64 x 256 (86-91). Each ring depth is the
+# sweep's fastest.
 _COSTS = {
-    WsTiles(64, 32, 8): (3.548, 0.167, 2.409, 0.0),
-    WsTiles(64, 64, 8): (4.288, 0.165, 3.861, 0.021),
-    WsTiles(64, 128, 8): (6.018, 0.21, 4.458, 0.079),
-    WsTiles(64, 256, 6): (8.866, 0.335, 18.852, 0.092),
-    WsTiles(128, 32, 8): (4.974, 0.239, 2.286, 0.0),
-    WsTiles(128, 64, 8): (7.089, 0.248, 3.805, 0.0),
-    WsTiles(128, 128, 6): (11.749, 0.307, 4.697, 0.012),
-    WsTiles(128, 256, 5): (8.457, 0.555, None, 0.0),
-    WsTiles(64, 128, 8, block_m2=32): (1.459, 0.289, None, 0.011),
-    WsTiles(64, 128, 8, block_m2=64): (2.629, 0.303, None, 0.038),
-    WsTiles(64, 256, 5, block_m2=64): (0.0, 0.448, None, 0.098),
-    WsTiles(128, 128, 6, block_m2=32): (1.898, 0.564, None, 0.006),
-    WsTiles(128, 128, 6, block_m2=64): (3.638, 0.579, None, 0.005),
+    WsTiles(64, 32, 8): (3.913, 0.146, 2.103, 0.0, 0.0123),
+    WsTiles(64, 64, 8): (4.551, 0.155, 3.764, 0.025, 0.0018),
+    WsTiles(64, 128, 8): (6.782, 0.18, 4.127, 0.084, 0.0047),
+    WsTiles(64, 256, 6): (9.097, 0.249, 20.147, 0.124, 0.0072),
+    WsTiles(128, 32, 8): (5.521, 0.208, 1.983, 0.0, 0.0178),
+    WsTiles(128, 64, 8): (7.808, 0.218, 3.633, 0.017, 0.005),
+    WsTiles(128, 128, 6): (12.305, 0.255, 4.912, 0.029, 0.0077),
+    WsTiles(128, 256, 5): (10.932, 0.484, None, 0.008, 0.0071),
+    WsTiles(64, 128, 8, block_m2=32): (2.656, 0.264, None, 0.023, 0.0024),
+    WsTiles(64, 128, 8, block_m2=64): (4.566, 0.259, None, 0.052, 0.0043),
+    WsTiles(64, 256, 5, block_m2=64): (4.76, 0.312, None, 0.104, 0.0184),
+    WsTiles(128, 128, 6, block_m2=32): (3.241, 0.54, None, 0.004, 0.0022),
+    WsTiles(128, 128, 6, block_m2=64): (5.63, 0.543, None, 0.0, 0.0032),
 }
 SPLITS = (1, 2, 4)
 # Rows from which this kernel takes each code width (fewer: wint_mma.py, or quant_gemm's tile
@@ -508,18 +511,19 @@ class WsLaunch(NamedTuple):
 
 def _cost(tiles: WsTiles, m: int, n: int, k: int, sms: int) -> float:
     """Modelled us of x [M, K] @ W [N, K]^T in ``tiles`` on ``sms`` multiprocessors."""
-    a, b, c, d = _COSTS[replace(tiles, split=1)]
+    a, b, c, d, e = _COSTS[replace(tiles, split=1)]
     rounds = -(-_tiles(m, n, tiles) * tiles.split // sms)
     shifted = tiles.block_n * tiles.rows <= SHIFT_MAX_ELEMS
     past_m = tiles.rows - m if shifted else -(-m // tiles.rows) * tiles.rows - m
-    unit = a + b * k / STEP / tiles.split + d * max(0, past_m)
+    x_mib = m * k * 2 / 2**20
+    unit = a + (b + e * x_mib) * k / STEP / tiles.split + d * max(0, past_m)
     return rounds * unit + (c if tiles.split > 1 else 0.0)
 
 
 def _candidates(k: int, bits: int, out_bytes: int) -> list[WsTiles]:
     """Every tiling and K split of _COSTS that K splits into and whose shared memory
     (``bits``-bit codes, an output of ``out_bytes`` a value) fits SMEM_BUDGET."""
-    return [replace(tiles, split=split) for tiles, (_, _, c, _) in _COSTS.items()
+    return [replace(tiles, split=split) for tiles, (_, _, c, _, _) in _COSTS.items()
             for split in SPLITS
             if (split == 1 or c is not None and _splits_k(k, split))
             and smem_bytes(bits, tiles, out_bytes) <= SMEM_BUDGET]
