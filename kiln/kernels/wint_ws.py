@@ -501,7 +501,7 @@ WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured agains
 # results/h100/gemm_sm90.txt)
 LAUNCH_US = 3.0
 # and the share of the one launch's modelled time it must save: near a tie the model's error
-# (median 2-10% a tiling) decides, and two launches ran 1-8% slower at 800-880 rows
+# (median 2-10% a tiling) decides: two launches ran 1-17% slower than one at 800-880 rows
 # (results/h100/wint_ws_refit.txt)
 TWO_LAUNCH_MARGIN = 0.02
 
