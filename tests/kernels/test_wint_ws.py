@@ -193,10 +193,11 @@ def test_ws_tiles_least_modelled_time():
     """On the H100's 132 SMs: gate_up (N = 28672) keeps 128 x 256 tiles at 512 rows; down_proj
     (K = 14336) at 128 rows splits K 2 ways over its 64 tiles of 64 x 128 (one round of 128
     units), and at 512 rows takes 64 x 256 tiles, whose K steps slow less with x's 14 MiB than
-    128 x 128's (the sweep: 86-91 against 100-106 us); o_proj at 64 rows splits K 2 ways over 64 tiles of 64 x 64; rows that are no power
-    of two take a tile of two wgmmas: gate_up at 160 rows one 128 + 32-row tile a 128 rows of W
-    (224 units), qkv at 320 rows 256 + 64; a K that no split divides into 128-code halves is
-    not split, even one that is no multiple of 128."""
+    128 x 128's (the sweep: 86-91 against 100-106 us); o_proj at 64 rows splits K 2 ways over
+    64 tiles of 64 x 64; rows that are no power of two take a tile of two wgmmas: gate_up at
+    160 rows one 128 + 32-row tile a 128 rows of W (224 units), qkv at 320 rows 256 + 64; a K
+    that no split divides into 128-code halves is not split, even one that is no multiple of
+    128."""
     assert ws.ws_tiles(512, 28672, 4096, 132, 4) == ws.WsTiles(128, 256, 5)
     assert ws.ws_tiles(128, 4096, 14336, 132, 4) == ws.WsTiles(64, 128, 8, split=2)
     assert ws.ws_tiles(512, 4096, 14336, 132, 4) == ws.WsTiles(64, 256, 6)
