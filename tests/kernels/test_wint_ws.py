@@ -215,13 +215,16 @@ def test_ws_tiles_least_modelled_time():
 def test_ws_plan_takes_the_last_round_apart():
     """gate_up at 512 rows in 128 x 256 tiles is 448 units on 132 SMs: the plan runs 396 of
     them (3 whole rounds, 25344 rows of W), then the 3328 rows left in 64 x 256 tiles, one
-    launch over every SM. Where the last round is full enough, one launch (qkv at 256 rows).
-    Launches cover W's rows in order from multiples of 64."""
+    launch over every SM. Where the last round is full enough, one launch (qkv at 256 rows);
+    also where two launches model less than TWO_LAUNCH_MARGIN faster (gate_up at 880 rows: 0.4%
+    modelled, 8% slower measured). Launches cover W's rows in order from multiples of 64."""
     assert ws.ws_plan(512, 28672, 4096, 132, 4) == (
         ws.WsLaunch(0, 25344, ws.WsTiles(128, 256, 5)),
         ws.WsLaunch(25344, 3328, ws.WsTiles(64, 256, 6)))
     assert ws.ws_plan(256, 6144, 4096, 132, 4) == (
         ws.WsLaunch(0, 6144, ws.ws_tiles(256, 6144, 4096, 132, 4)),)
+    assert ws.ws_plan(880, 28672, 4096, 132, 4) == (
+        ws.WsLaunch(0, 28672, ws.ws_tiles(880, 28672, 4096, 132, 4)),)
     for m in (48, 160, 300, 640, 1024):
         for n, k in ((6144, 4096), (28672, 4096), (4096, 14336), (9216, 2048)):
             plan = ws.ws_plan(m, n, k, 132, 8, 4)
