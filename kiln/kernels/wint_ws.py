@@ -494,7 +494,9 @@ SPLITS = (1, 2, 4)
 # wint_mma's 76, at 48 rows 102 against 155; 8-bit codes at 32 rows 102 against the tile
 # kernel's 155 (fewer rows not measured)
 WS_MIN_M = {4: 48, 8: 32}
-WS_MAX_M = 1024  # more rows (prefill): dequantize + cuBLAS (not measured against this kernel)
+# more rows (prefill): dequantize + cuBLAS, not measured against this kernel past 1024 rows (at
+# 1024 this kernel took 0.74-0.76x its time a layer, int4: results/h100/wint_ws_refit.txt 4.)
+WS_MAX_M = 1024
 
 
 # us a plan's second launch costs (its fill and drain: about the decode GEMMs' per-kernel floor,
