@@ -495,7 +495,7 @@ SPLITS = (1, 2, 4)
 # kernel's 155 (fewer rows not measured)
 WS_MIN_M = {4: 48, 8: 32}
 # more rows (prefill): dequantize + cuBLAS, not measured against this kernel past 1024 rows (at
-# 1024 this kernel took 0.74-0.76x its time a layer, int4: results/h100/wint_ws_refit.txt 4.)
+# 1024 this kernel took 0.71-0.76x its time a layer, int4: results/h100/wint_ws_refit.txt 4.)
 WS_MAX_M = 1024
 
 
