@@ -546,14 +546,14 @@ def ws_tiles(m: int, n: int, k: int, sms: int, bits: int, out_bytes: int = 2) ->
 @functools.lru_cache(maxsize=4096)
 def ws_plan(m: int, n: int, k: int, sms: int, bits: int,
             out_bytes: int = 2) -> tuple[WsLaunch, ...]:
-    """ws_tiles' tiling in one launch, or where the model says it is faster, two: a tiling's
-    whole rounds over the first rows of W, then the rows left in a launch of their own tiling
-    (ws_tiles' for them). A last round that leaves most SMs idle (gate_up at 512 rows in 128 x
-    256 tiles: 448 units on 132 SMs) becomes a launch of smaller tiles over every SM. Every
-    launch's first row is a multiple of 64 (16-byte aligned words and output columns)."""
+    """ws_tiles' tiling in one launch, or where the model says it is TWO_LAUNCH_MARGIN faster,
+    two: a tiling's whole rounds over the first rows of W, then the rows left in a launch of
+    their own tiling (ws_tiles' for them). A last round that leaves most SMs idle (gate_up at
+    512 rows in 128 x 256 tiles: 448 units on 132 SMs) becomes a launch of smaller tiles over
+    every SM. Every launch's first row is a multiple of 64 (16-byte aligned words and output
+    columns)."""
     one = ws_tiles(m, n, k, sms, bits, out_bytes)
-    one_cost = _cost(one, m, n, k, sms)
-    best, plan = one_cost, (WsLaunch(0, n, one),)
+    best, plan = _cost(one, m, n, k, sms) * (1 - TWO_LAUNCH_MARGIN), (WsLaunch(0, n, one),)
     for tiles in _candidates(k, bits, out_bytes):
         whole = _tiles(m, n, tiles) * tiles.split // sms * sms  # units of the whole rounds
         rows = whole // (-(-m // tiles.rows) * tiles.split) * tiles.block_n
@@ -561,7 +561,7 @@ def ws_plan(m: int, n: int, k: int, sms: int, bits: int,
             continue
         rest = ws_tiles(m, n - rows, k, sms, bits, out_bytes)
         cost = _cost(tiles, m, rows, k, sms) + _cost(rest, m, n - rows, k, sms) + LAUNCH_US
-        if cost < best and cost < one_cost * (1 - TWO_LAUNCH_MARGIN):
+        if cost < best:
             best, plan = cost, (WsLaunch(0, rows, tiles), WsLaunch(rows, n - rows, rest))
     return plan
 
