@@ -78,10 +78,6 @@ STEP = 64  # codes of K a step: x boxes 64 16-bit values wide (128 bytes, the wi
 _STEP = ttgl.constexpr(STEP) if HAS_GLUON else STEP  # (kernels read constexpr globals only)
 # registers a thread of the producer warp (the consumers get what is left of the register file)
 PRODUCER_REGS = ttgl.constexpr(24) if HAS_GLUON else 24
-# tiles (rows of W x rows of x) whose last x tile ends at M (_x_start): not 128 x 256, whose
-# epilogue then spilled (its accumulator takes 128 registers a thread; triton 3.9)
-SHIFT_MAX_ELEMS = 128 * 128
-_SHIFT_MAX_ELEMS = ttgl.constexpr(SHIFT_MAX_ELEMS) if HAS_GLUON else SHIFT_MAX_ELEMS
 
 
 @dataclass(frozen=True)
@@ -202,16 +198,13 @@ def _unit(unit, x_tiles, SPLIT: ttgl.constexpr):
 
 
 @jit
-def _x_start(x_tile, M, BLOCK_N: ttgl.constexpr, X_ROWS: ttgl.constexpr):
-    """The first row of x tile ``x_tile``'s box (X_ROWS rows). In tiles of at most
-    SHIFT_MAX_ELEMS, the last one's ends at row M where M holds a whole box (its rows before
-    x_tile * X_ROWS belong to the tile before it and are not stored again): a box partly past M
-    made the GEMM slower in proportion to its rows past M (TMA's zero fill;
-    results/h100/wint_ws_split.txt)."""
-    if BLOCK_N * X_ROWS <= _SHIFT_MAX_ELEMS:
-        return ttgl.minimum(x_tile * X_ROWS, ttgl.maximum(M - X_ROWS, 0))
-    else:
-        return x_tile * X_ROWS
+def _x_start(x_tile, M, X_ROWS: ttgl.constexpr):
+    """The first row of x tile ``x_tile``'s box (X_ROWS rows). The last one's ends at row M
+    where M holds a whole box (its rows before x_tile * X_ROWS belong to the tile before it and
+    are not stored again): a box partly past M made the GEMM slower in proportion to its rows
+    past M (TMA's zero fill; results/h100/wint_ws_split.txt). Unshifted, 128 x 256 tiles ran
+    gate_up at 776 rows in 1.8x bf16's time (results/h100/wint_ws_refit.txt)."""
+    return ttgl.minimum(x_tile * X_ROWS, ttgl.maximum(M - X_ROWS, 0))
 
 
 # Every partition takes the same arguments (worker partitions share one signature): the TMA
@@ -241,7 +234,7 @@ def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     count = 0
     for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
         _, x_tile, w_tile, part = _unit(unit, x_tiles, SPLIT)
-        m0 = _x_start(x_tile, M, BLOCK_N, X_ROWS)
+        m0 = _x_start(x_tile, M, X_ROWS)
         row0 = w_tile * BLOCK_N
         for kw0 in range(part * kw_split, (part + 1) * kw_split, STEP_W):
             stage = count % NUM_STAGES
@@ -375,7 +368,7 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     count = 0
     for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
         tile, x_tile, w_tile, part = _unit(unit, x_tiles, SPLIT)
-        m0 = _x_start(x_tile, M, BLOCK_N, X_ROWS)
+        m0 = _x_start(x_tile, M, X_ROWS)
         row0 = w_tile * BLOCK_N
         first = part * steps
         # scale rows clamped (rows past N are computed from zero words and not stored)
@@ -465,8 +458,8 @@ def _wint_ws_kernel(
 # Each tiling's cost model, fitted to the H100 sweeps of Llama-3.1-8B's layers at 48-1024 rows
 # (benchmarks/results/h100/wint_ws_composite.txt, wint_ws_refit.txt): a round of units (a
 # tile's K, or a split of it) over the SMs takes a + (b + e x the MiB of x) x the unit's K steps
-# + d x the rows of x past M in a box (TMA's zero fill; _x_start shifts the last box of tiles up
-# to SHIFT_MAX_ELEMS back to end at M, so those pay it only with fewer rows than one box) us, and
+# + d x the rows of x past M in a box (TMA's zero fill; _x_start shifts the last box back to end
+# at M, so a tile pays it only with fewer rows than one box) us, and
 # splitting K adds c us (the partials' sum) once; None: not split (128 x 256, and two-wgmma
 # tiles). A K step slows as x grows (every W tile's program reads all of x): down_proj's 14336
 # columns at 448-512 rows ran 0.40 us a step in 128 x 128 tiles against gate_up's 0.32, and
@@ -520,8 +513,7 @@ def _cost(tiles: WsTiles, m: int, n: int, k: int, sms: int) -> float:
     """Modelled us of x [M, K] @ W [N, K]^T in ``tiles`` on ``sms`` multiprocessors."""
     a, b, c, d, e = _COSTS[replace(tiles, split=1)]
     rounds = -(-_tiles(m, n, tiles) * tiles.split // sms)
-    shifted = tiles.block_n * tiles.rows <= SHIFT_MAX_ELEMS
-    past_m = tiles.rows - m if shifted else -(-m // tiles.rows) * tiles.rows - m
+    past_m = tiles.rows - m  # (_x_start: only with fewer rows than a box)
     x_mib = m * k * 2 / 2**20
     unit = a + (b + e * x_mib) * k / STEP / tiles.split + d * max(0, past_m)
     return rounds * unit + (c if tiles.split > 1 else 0.0)

@@ -55,7 +55,7 @@ def test_gpu_wint_ws_tiles(bits, group, tiles):
                                       (330, ws.WsTiles(64, 256, 6))])
 def test_gpu_wint_ws_last_x_tile(m, tiles):
     """Fewer rows than a tile (its box partly past M), and a ragged last x tile: its box ends at
-    M for 64 x 256 (the rows it shares with the tile before stored once), not for 128 x 256."""
+    M (the rows it shares with the tile before stored once), in 128 x 256 tiles too."""
     _check(1000, 4096, 4, 128, m, tiles=tiles, seed=m)
 
 
