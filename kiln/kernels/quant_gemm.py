@@ -18,9 +18,9 @@ Symmetric int4 and 8-bit integer codes without act-order at 16-bit x and 3 to
 wint_mma.MMA_MAX_M rows (see wint_mma_applies) skip all three for kiln/kernels/wint_mma.py
 (codes decoded straight into tensor-core operands: faster than the tile kernel and the
 dequantization there), unless the caller forces a config; from wint_ws.WS_MIN_M (32 rows of
-8-bit codes, 48 of int4) to WS_MAX_M rows (wint_ws_preferred) the persistent warp-specialized
-Gluon kernel kiln/kernels/wint_ws.py takes them instead (8-bit codes up to 1024 rows, past
-wint_mma's 512).
+8-bit codes, 48 of int4) to WS_MAX_M rows (wint_ws_preferred; past wint_mma's range too:
+prefill chunks) the persistent warp-specialized Gluon kernel kiln/kernels/wint_ws.py takes
+them instead.
 ``gated=True`` (Llama's merged gate/up projection) returns silu(gate) * up instead of y: the
 CUDA-core GEMV computes it in its epilogue, every other path runs silu_and_mul after. The bias
 goes in the word-streaming kernels' epilogue where K is not split, else it is added after.
@@ -867,6 +867,20 @@ def _mma_applies(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor | N
         qweight.dtype == FP8_DTYPE)
 
 
+def _ws_takes(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+              zeros: torch.Tensor | None, perm: torch.Tensor | None,
+              smooth: torch.Tensor | None, bits: int, group_size: int,
+              out_dtype: torch.dtype | None) -> bool:
+    """Whether kiln/kernels/wint_ws.py takes x [M, K] @ W^T by default: a row count it is
+    preferred at (wint_ws_preferred) and a format it decodes (wint_ws_applies)."""
+    words = _words(qweight, bits)
+    m, k = x.shape
+    return (words is not None and zeros is None and perm is None and smooth is None
+            and qweight.dtype != FP8_DTYPE and wint_ws_preferred(m, bits)
+            and wint_ws_applies(x, words, scales, bits, k if group_size <= 0 else group_size,
+                                out_dtype=out_dtype))
+
+
 def wint_gemm_triton(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -900,9 +914,8 @@ def wint_gemm_triton(
         return torch.empty(0, n // 2 if gated else n, device=x.device, dtype=out_dtype or x.dtype)
     words = _words(qweight, bits)
     w_fp8 = qweight.dtype == FP8_DTYPE
-    ws = (config is None and words is not None and zeros is None and perm is None
-          and smooth is None and not w_fp8 and wint_ws_preferred(m, bits)
-          and wint_ws_applies(x, words, scales, bits, group, out_dtype=out_dtype))
+    ws = config is None and _ws_takes(x, qweight, scales, zeros, perm, smooth, bits,
+                                      group_size, out_dtype)
     if ws or isinstance(config, MmaTiles) or config is None and _mma_applies(
             x, qweight, zeros, perm, bits, group_size):
         if ws:
@@ -1090,8 +1103,9 @@ def wint_linear_triton(
 ) -> torch.Tensor:
     """``wint_linear`` without the device check: the Triton paths, picked by the rows of x."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x2.shape[0] <= FUSED_MAX_M[bits] or _mma_applies(x2, qweight, zeros, perm, bits,
-                                                         group_size):
+    if (x2.shape[0] <= FUSED_MAX_M[bits]
+            or _mma_applies(x2, qweight, zeros, perm, bits, group_size)
+            or _ws_takes(x2, qweight, scales, zeros, perm, smooth, bits, group_size, out_dtype)):
         out = wint_gemm_triton(x2, qweight, scales, zeros, bits, group_size, perm, smooth,
                                out_dtype=out_dtype, gated=gated, bias=bias)
     else:

@@ -464,8 +464,10 @@ def _wint_ws_kernel(
 # tiles). A K step slows as x grows (every W tile's program reads all of x): down_proj's 14336
 # columns at 448-512 rows ran 0.40 us a step in 128 x 128 tiles against gate_up's 0.32, and
 # without e the model picked them (100-106 us) over 64 x 256 (86-91). A two-wgmma tiling takes
-# its first wgmma's tiling's e (the sweeps have no large x for it). Each ring depth is the
-# sweep's fastest.
+# its first wgmma's tiling's e (the sweeps have no large x for it). Past X_MIB_MAX MiB of x a
+# step stops slowing: at 1024-8192 rows 128 x 256 tiles ran within 10% of the model with x
+# capped there (5% rms); uncapped, it gave down_proj at 8192 rows 2.9x the measured time
+# (results/h100/wint_ws_shift.txt). Each ring depth is the sweep's fastest.
 _COSTS = {
     WsTiles(64, 32, 8): (3.85, 0.152, 1.872, 0.0, 0.0099),
     WsTiles(64, 64, 8): (4.544, 0.156, 3.676, 0.03, 0.0017),
@@ -482,14 +484,16 @@ _COSTS = {
     WsTiles(128, 128, 6, block_m2=64): (8.377, 0.488, None, 0.0, 0.0083),
 }
 SPLITS = (1, 2, 4)
+X_MIB_MAX = 28.0
 # Rows from which this kernel takes each code width (fewer: wint_mma.py, or quant_gemm's tile
 # kernel for 8-bit codes): in the sweep, int4 at 32 rows ran 92 us a layer here against
 # wint_mma's 76, at 48 rows 102 against 155; 8-bit codes at 32 rows 102 against the tile
 # kernel's 155 (fewer rows not measured)
 WS_MIN_M = {4: 48, 8: 32}
-# more rows (prefill): dequantize + cuBLAS, not measured against this kernel past 1024 rows (at
-# 1024 this kernel took 0.71-0.76x its time a layer, int4: results/h100/wint_ws_refit.txt 4.)
-WS_MAX_M = 1024
+# more rows (prefill): dequantize + cuBLAS. Against it this kernel took 0.71-0.86x the time of
+# Llama-3.1-8B's four layers at 1024-3072 rows, int4, and about the same at 4096 (1.03x on
+# gate_up, 0.96-0.98x on the others); at 8192 1.05x (results/h100/wint_ws_shift.txt)
+WS_MAX_M = 4096
 
 
 # us a plan's second launch costs (its fill and drain: about the decode GEMMs' per-kernel floor,
@@ -514,7 +518,7 @@ def _cost(tiles: WsTiles, m: int, n: int, k: int, sms: int) -> float:
     a, b, c, d, e = _COSTS[replace(tiles, split=1)]
     rounds = -(-_tiles(m, n, tiles) * tiles.split // sms)
     past_m = tiles.rows - m  # (_x_start: only with fewer rows than a box)
-    x_mib = m * k * 2 / 2**20
+    x_mib = min(m * k * 2 / 2**20, X_MIB_MAX)
     unit = a + (b + e * x_mib) * k / STEP / tiles.split + d * max(0, past_m)
     return rounds * unit + (c if tiles.split > 1 else 0.0)
 

@@ -258,21 +258,22 @@ def test_wint_ws_preferred_by_rows_and_code_width():
 @pytest.mark.parametrize("bits, group, n, k, m, taken", [
     (4, 128, 4096, 4096, 512, True), (8, -1, 4096, 14336, 1024, True),
     (4, 128, 16384, 4096, 384, True), (8, -1, 4096, 4096, 128, True),
-    (4, 128, 4096, 4096, 40, False), (8, -1, 4096, 4096, 2048, False),
+    (4, 128, 4096, 4096, 40, False), (8, -1, 4096, 4096, 2048, True),
+    (4, 128, 1024, 4096, 4096, True), (4, 128, 1024, 4096, 4104, False),
     (8, -1, 4096, 4096, 32, True),
 ])  # fmt: skip
 def test_gpu_quant_gemm_dispatches_to_wint_ws(monkeypatch, bits, group, n, k, m, taken):
-    """quant_gemm's fused path takes this kernel where wint_ws_preferred says so (up to 1024
-    rows: 8-bit codes at 1024 rows too, past wint_mma's range; not int4 at 40 rows, nor 2048
-    rows, where the weights are dequantized for cuBLAS), and the result matches float64
-    math."""
+    """quant_gemm's Triton path (wint_linear_triton, as the quantized layers call it) takes
+    this kernel where wint_ws_preferred says so: up to 4096 rows, 8-bit codes at 1024 rows and
+    int4 at 4096 too, past wint_mma's range; not int4 at 40 rows, nor past 4096 rows, where the
+    weights are dequantized for cuBLAS. The result matches float64 math."""
     calls = []
     real = qg.wint_ws_gemm
     monkeypatch.setattr(qg, "wint_ws_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(7)
     qweight, scales, _, w64 = make_weight(n, k, bits, group, True, gen=gen)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    out = qg.wint_gemm_triton(x.cuda(), qweight.cuda(), scales.to(torch.bfloat16).cuda(), None,
-                              bits, group)
+    out = qg.wint_linear_triton(x.cuda(), qweight.cuda(), scales.to(torch.bfloat16).cuda(), None,
+                                bits, group)
     assert bool(calls) == taken
     assert_rel_close(out.cpu(), naive(x, w64), 3e-3, f"W{bits} {n}x{k} m={m}")
