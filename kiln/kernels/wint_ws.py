@@ -490,9 +490,10 @@ X_MIB_MAX = 28.0
 # wint_mma's 76, at 48 rows 102 against 155; 8-bit codes at 32 rows 102 against the tile
 # kernel's 155 (fewer rows not measured)
 WS_MIN_M = {4: 48, 8: 32}
-# more rows (prefill): dequantize + cuBLAS. Against it this kernel took 0.71-0.86x the time of
-# Llama-3.1-8B's four layers at 1024-3072 rows, int4, and about the same at 4096 (1.03x on
-# gate_up, 0.96-0.98x on the others); at 8192 1.05x (results/h100/wint_ws_shift.txt)
+# more rows (prefill): dequantize + cuBLAS. Against it this kernel took 0.77-0.95x the time of
+# Llama-3.1-8B's four layers at 1024-3072 rows of int4 (8-bit codes: 0.65-0.94x at 640-3072),
+# 0.98-1.00x at 4096 (gate_up 1.02-1.03x), 1.01x at 6144 and 1.04x at 8192
+# (results/h100/wint_ws_shift.txt)
 WS_MAX_M = 4096
 
 
