@@ -876,7 +876,8 @@ def _ws_takes(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     words = _words(qweight, bits)
     m, k = x.shape
     return (words is not None and zeros is None and perm is None and smooth is None
-            and qweight.dtype != FP8_DTYPE and wint_ws_preferred(m, bits)
+            and qweight.dtype != FP8_DTYPE
+            and wint_ws_preferred(m, bits, (out_dtype or x.dtype).itemsize)
             and wint_ws_applies(x, words, scales, bits, k if group_size <= 0 else group_size,
                                 out_dtype=out_dtype))
 

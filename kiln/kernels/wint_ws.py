@@ -490,11 +490,13 @@ X_MIB_MAX = 28.0
 # wint_mma's 76, at 48 rows 102 against 155; 8-bit codes at 32 rows 102 against the tile
 # kernel's 155 (fewer rows not measured)
 WS_MIN_M = {4: 48, 8: 32}
-# more rows (prefill): dequantize + cuBLAS. Against it this kernel took 0.77-0.95x the time of
-# Llama-3.1-8B's four layers at 1024-3072 rows of int4 (8-bit codes: 0.65-0.94x at 640-3072),
-# 0.98-1.00x at 4096 (gate_up 1.02-1.03x), 1.01x at 6144 and 1.04x at 8192
+# and up to which, by the output's bytes a value; more rows (prefill): dequantize + cuBLAS.
+# 16-bit: this kernel took 0.77-0.95x that time for Llama-3.1-8B's four layers at 1024-3072
+# rows of int4 (8-bit codes: 0.65-0.94x at 640-3072), 0.98-1.00x at 4096 (gate_up
+# 1.02-1.03x), 1.01x at 6144 and 1.04x at 8192. float32 (the LM head's logits): 1.00-1.03x
+# at 2048 rows, without dequantize's 1 GB temporary of the weight, 1.10-1.12x at 4096
 # (results/h100/wint_ws_shift.txt)
-WS_MAX_M = 4096
+WS_MAX_M = {2: 4096, 4: 2048}
 
 
 # us a plan's second launch costs (its fill and drain: about the decode GEMMs' per-kernel floor,
@@ -563,11 +565,13 @@ def ws_plan(m: int, n: int, k: int, sms: int, bits: int,
     return plan
 
 
-def wint_ws_preferred(m: int, bits: int) -> bool:
-    """Whether this kernel, at ws_tiles, beats wint_mma.py (its default tiles) and quant_gemm's
-    tile kernel for M rows of ``bits``-bit codes: from WS_MIN_M to WS_MAX_M rows, in the H100
-    sweep of Llama-3.1-8B's layers (results/h100/wint_ws_split.txt)."""
-    return bits in WS_MIN_M and WS_MIN_M[bits] <= m <= WS_MAX_M
+def wint_ws_preferred(m: int, bits: int, out_bytes: int = 2) -> bool:
+    """Whether this kernel, at ws_tiles, beats wint_mma.py (its default tiles), quant_gemm's
+    tile kernel and dequantize + cuBLAS for M rows of ``bits``-bit codes and an output of
+    ``out_bytes`` a value: from WS_MIN_M to WS_MAX_M rows, in the H100 sweeps of Llama-3.1-8B's
+    layers (results/h100/wint_ws_split.txt, wint_ws_shift.txt)."""
+    return (bits in WS_MIN_M and out_bytes in WS_MAX_M
+            and WS_MIN_M[bits] <= m <= WS_MAX_M[out_bytes])
 
 
 def _x_layout():

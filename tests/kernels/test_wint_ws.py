@@ -244,29 +244,36 @@ def test_ws_tiles_fit_shared_memory():
     assert picked != tiles and ws.smem_bytes(8, picked, out_bytes=4) <= ws.SMEM_BUDGET
 
 
-def test_wint_ws_preferred_by_rows_and_code_width():
-    """From WS_MIN_M rows (32 of 8-bit codes, 48 of int4) to WS_MAX_M, whatever the shape."""
+def test_wint_ws_preferred_by_rows_code_width_and_output():
+    """From WS_MIN_M rows (32 of 8-bit codes, 48 of int4) to WS_MAX_M: 4096 rows of a 16-bit
+    output, 2048 of float32 logits; whatever the shape."""
     assert ws.wint_ws_preferred(32, 8) and not ws.wint_ws_preferred(32, 4)
     assert ws.wint_ws_preferred(48, 4) and ws.wint_ws_preferred(200, 4)
-    assert ws.wint_ws_preferred(ws.WS_MAX_M, 8)
+    assert ws.wint_ws_preferred(4096, 8) and ws.wint_ws_preferred(4096, 4)
     assert not ws.wint_ws_preferred(31, 8) and not ws.wint_ws_preferred(47, 4)
-    assert not ws.wint_ws_preferred(ws.WS_MAX_M + 1, 4)
+    assert not ws.wint_ws_preferred(4097, 4) and not ws.wint_ws_preferred(4097, 8)
+    assert ws.wint_ws_preferred(2048, 4, out_bytes=4)
+    assert not ws.wint_ws_preferred(2049, 8, out_bytes=4)
     assert not ws.wint_ws_preferred(128, 2)  # a code width it does not decode
 
 
 @gpu
-@pytest.mark.parametrize("bits, group, n, k, m, taken", [
-    (4, 128, 4096, 4096, 512, True), (8, -1, 4096, 14336, 1024, True),
-    (4, 128, 16384, 4096, 384, True), (8, -1, 4096, 4096, 128, True),
-    (4, 128, 4096, 4096, 40, False), (8, -1, 4096, 4096, 2048, True),
-    (4, 128, 1024, 4096, 4096, True), (4, 128, 1024, 4096, 4104, False),
-    (8, -1, 4096, 4096, 32, True),
+@pytest.mark.parametrize("bits, group, n, k, m, out_dtype, taken", [
+    (4, 128, 4096, 4096, 512, None, True), (8, -1, 4096, 14336, 1024, None, True),
+    (4, 128, 16384, 4096, 384, None, True), (8, -1, 4096, 4096, 128, None, True),
+    (4, 128, 4096, 4096, 40, None, False), (8, -1, 4096, 4096, 2048, None, True),
+    (4, 128, 1024, 4096, 4096, None, True), (4, 128, 1024, 4096, 4104, None, False),
+    (8, -1, 4096, 4096, 32, None, True),
+    (4, 128, 1024, 4096, 2048, torch.float32, True),
+    (8, -1, 1024, 4096, 2056, torch.float32, False),
 ])  # fmt: skip
-def test_gpu_quant_gemm_dispatches_to_wint_ws(monkeypatch, bits, group, n, k, m, taken):
+def test_gpu_quant_gemm_dispatches_to_wint_ws(monkeypatch, bits, group, n, k, m, out_dtype,
+                                              taken):
     """quant_gemm's Triton path (wint_linear_triton, as the quantized layers call it) takes
     this kernel where wint_ws_preferred says so: up to 4096 rows, 8-bit codes at 1024 rows and
-    int4 at 4096 too, past wint_mma's range; not int4 at 40 rows, nor past 4096 rows, where the
-    weights are dequantized for cuBLAS. The result matches float64 math."""
+    int4 at 4096 too, past wint_mma's range; float32 logits up to 2048 rows. Not int4 at 40
+    rows, nor past those, where the weights are dequantized for cuBLAS. The result matches
+    float64 math."""
     calls = []
     real = qg.wint_ws_gemm
     monkeypatch.setattr(qg, "wint_ws_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -274,6 +281,7 @@ def test_gpu_quant_gemm_dispatches_to_wint_ws(monkeypatch, bits, group, n, k, m,
     qweight, scales, _, w64 = make_weight(n, k, bits, group, True, gen=gen)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     out = qg.wint_linear_triton(x.cuda(), qweight.cuda(), scales.to(torch.bfloat16).cuda(), None,
-                                bits, group)
+                                bits, group, out_dtype=out_dtype)
     assert bool(calls) == taken
+    assert out.dtype == (out_dtype or torch.bfloat16)
     assert_rel_close(out.cpu(), naive(x, w64), 3e-3, f"W{bits} {n}x{k} m={m}")
