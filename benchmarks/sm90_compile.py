@@ -7,7 +7,8 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
         [--stages 3] [--k-step 128] [--per-channel] [--split 2] [--ragged-m]
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8] [--pdl]
     python3 benchmarks/sm90_compile.py wint_ws --bits 4 --group 128 --block-n 128 --block-m 256
-        --stages 4  (the Gluon kernel, compiled as launched: M unspecialized, N divisible by 16)
+        --stages 4 [--ragged-m]  (the Gluon kernel, compiled as launched: M unspecialized, N
+        divisible by 16; --ragged-m: the variant for an M no multiple of the tile's rows)
     ... [--dump DIR]  (writes the TTGIR, PTX and SASS there)
     ... [--unspecialized M,stride_om]
 
@@ -131,7 +132,8 @@ def main() -> None:
         kernel = wint_ws.compile_sm90(a.bits, a.group, a.k,
                                       wint_ws.WsTiles(a.block_n, a.block_m, a.stages, a.split,
                                                       a.block_m2),
-                                      out_dtype="fp32" if a.out_fp32 else None)
+                                      out_dtype="fp32" if a.out_fp32 else None,
+                                      shift=a.ragged_m)
     else:
         kernel = _compile_triton(parser, a)
     registers, spill_bytes, sass = machine_code(kernel)

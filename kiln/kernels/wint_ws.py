@@ -198,13 +198,17 @@ def _unit(unit, x_tiles, SPLIT: ttgl.constexpr):
 
 
 @jit
-def _x_start(x_tile, M, X_ROWS: ttgl.constexpr):
-    """The first row of x tile ``x_tile``'s box (X_ROWS rows). The last one's ends at row M
-    where M holds a whole box (its rows before x_tile * X_ROWS belong to the tile before it and
-    are not stored again): a box partly past M made the GEMM slower in proportion to its rows
-    past M (TMA's zero fill; results/h100/wint_ws_split.txt). Unshifted, 128 x 256 tiles ran
-    gate_up at 776 rows in 1.8x bf16's time (results/h100/wint_ws_refit.txt)."""
-    return ttgl.minimum(x_tile * X_ROWS, ttgl.maximum(M - X_ROWS, 0))
+def _x_start(x_tile, M, X_ROWS: ttgl.constexpr, SHIFT: ttgl.constexpr):
+    """The first row of x tile ``x_tile``'s box (X_ROWS rows). With SHIFT (_shifts: M holds a
+    whole box and more, not a multiple of it) the last one's ends at row M (its rows before
+    x_tile * X_ROWS belong to the tile before it and are not stored again): a box partly past M
+    made the GEMM slower in proportion to its rows past M (TMA's zero fill;
+    results/h100/wint_ws_split.txt). Unshifted, 128 x 256 tiles ran gate_up at 776 rows in 1.8x
+    bf16's time (results/h100/wint_ws_refit.txt)."""
+    if SHIFT:
+        return ttgl.minimum(x_tile * X_ROWS, M - X_ROWS)
+    else:
+        return x_tile * X_ROWS
 
 
 # Every partition takes the same arguments (worker partitions share one signature): the TMA
@@ -214,7 +218,7 @@ def _x_start(x_tile, M, X_ROWS: ttgl.constexpr):
 def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, BLOCK_M2: ttgl.constexpr,
              STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr,
-             USE_PDL: ttgl.constexpr):
+             USE_PDL: ttgl.constexpr, SHIFT: ttgl.constexpr):
     """The producer warp: every unit's K steps, x and words by TMA into the ring. With PDL it
     waits for the previous kernel (x is its output) before its first load, then lets the next
     kernel launch; the consumers store nothing (out, partials, counters) before their first
@@ -234,7 +238,7 @@ def _produce(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     count = 0
     for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
         _, x_tile, w_tile, part = _unit(unit, x_tiles, SPLIT)
-        m0 = _x_start(x_tile, M, X_ROWS)
+        m0 = _x_start(x_tile, M, X_ROWS, SHIFT)
         row0 = w_tile * BLOCK_N
         for kw0 in range(part * kw_split, (part + 1) * kw_split, STEP_W):
             stage = count % NUM_STAGES
@@ -283,14 +287,18 @@ def _step(smem, s_rows, accs, count, step, first, BITS: ttgl.constexpr,
 
 
 @jit
-def _out_mask(rows, cols, x_tile, M, N, X_ROWS: ttgl.constexpr):
-    """Which of the output tile's [rows, cols] to store: nothing past N or M, nor the last x
-    tile's columns of the tile before it."""
-    return (rows < N)[:, None] & ((cols >= x_tile * X_ROWS) & (cols < M))[None, :]
+def _out_mask(rows, cols, x_tile, M, N, X_ROWS: ttgl.constexpr, SHIFT: ttgl.constexpr):
+    """Which of the output tile's [rows, cols] to store: nothing past N or M, nor (SHIFT) the
+    last x tile's columns of the tile before it."""
+    if SHIFT:
+        return (rows < N)[:, None] & ((cols >= x_tile * X_ROWS) & (cols < M))[None, :]
+    else:
+        return (rows < N)[:, None] & (cols < M)[None, :]
 
 
 @jit
-def _store_tile(acc, out_ptr, sizes, row0, col0, x_tile, X_ROWS: ttgl.constexpr):
+def _store_tile(acc, out_ptr, sizes, row0, col0, x_tile, X_ROWS: ttgl.constexpr,
+                SHIFT: ttgl.constexpr):
     """acc [W rows from row0, x rows from col0] into out^T, from a layout of 8 rows of W a
     thread (_out_layout): 16-byte stores."""
     M, N, KW, stride_sn, stride_om, x_tiles, num_units = sizes
@@ -300,7 +308,7 @@ def _store_tile(acc, out_ptr, sizes, row0, col0, x_tile, X_ROWS: ttgl.constexpr)
     # 32-bit offsets (wint_ws_applies): 64-bit pointers a value spill in this epilogue
     ttgl.store(out_ptr + (cols[None, :] * stride_om + rows[:, None]),
                ttgl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT),
-               mask=_out_mask(rows, cols, x_tile, M, N, X_ROWS))
+               mask=_out_mask(rows, cols, x_tile, M, N, X_ROWS, SHIFT))
 
 
 @jit
@@ -340,7 +348,7 @@ def _out_layout(block_n):
 def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr,
              BLOCK_N: ttgl.constexpr, BLOCK_M: ttgl.constexpr, BLOCK_M2: ttgl.constexpr,
              STEP_W: ttgl.constexpr, NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr,
-             USE_PDL: ttgl.constexpr):
+             USE_PDL: ttgl.constexpr, SHIFT: ttgl.constexpr):
     """The consumer warpgroups (64 rows of W each): acc [BLOCK_N, BLOCK_M] over the unit's K,
     then out^T (or, K split, the partial: _store_split).
     Each step's wgmma stays in flight while the next step decodes (_step). The loop takes two
@@ -368,7 +376,7 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
     count = 0
     for unit in range(ttgl.program_id(0), num_units, ttgl.num_programs(0)):
         tile, x_tile, w_tile, part = _unit(unit, x_tiles, SPLIT)
-        m0 = _x_start(x_tile, M, X_ROWS)
+        m0 = _x_start(x_tile, M, X_ROWS, SHIFT)
         row0 = w_tile * BLOCK_N
         first = part * steps
         # scale rows clamped (rows past N are computed from zero words and not stored)
@@ -395,21 +403,22 @@ def _consume(descs, smem, ptrs, sizes, BITS: ttgl.constexpr, GROUP_STEPS: ttgl.c
             scale = ttgl.load(s_ptr + ttgl.minimum(rows, N - 1).to(ttgl.int64) * stride_sn)
             acc = acc * scale.to(ttgl.float32)[:, None]
         if SPLIT == 1:
-            _store_tile(acc, out_ptr, sizes, row0, m0, x_tile, X_ROWS)
+            _store_tile(acc, out_ptr, sizes, row0, m0, x_tile, X_ROWS, SHIFT)
         else:
             TILE: ttgl.constexpr = BLOCK_N * BLOCK_M
             cols = m0 + cols_c
             # 32-bit offsets (wint_ws_applies): 64-bit pointers a value spill in this epilogue
             _store_split(acc, part_ptr + tile.to(ttgl.int64) * (SPLIT * TILE), count_ptr + tile,
                          out_ptr + (cols[None, :] * stride_om + rows[:, None]),
-                         _out_mask(rows, cols, x_tile, M, N, X_ROWS),
+                         _out_mask(rows, cols, x_tile, M, N, X_ROWS, SHIFT),
                          part, rows_c[:, None] * BLOCK_M + cols_c[None, :], SPLIT, TILE)
         if BLOCK_M2 > 0:  # (K not split: WsTiles)
             acc2 = accs[1]
             if GROUP_STEPS == 0:
                 scale2 = ttgl.convert_layout(scale, ttgl.SliceLayout(1, MMA2))
                 acc2 = acc2 * scale2.to(ttgl.float32)[:, None]
-            _store_tile(acc2, out_ptr, sizes, row0, m0 + BLOCK_M, x_tile, X_ROWS)
+            _store_tile(acc2, out_ptr, sizes, row0, m0 + BLOCK_M, x_tile, X_ROWS,
+                        SHIFT)
 
 
 # M and the unit counts as any int32 (no variant per batch size: fewer compiles while the engine
@@ -425,6 +434,7 @@ def _wint_ws_kernel(
     BITS: ttgl.constexpr, GROUP_STEPS: ttgl.constexpr, BLOCK_N: ttgl.constexpr,
     BLOCK_M: ttgl.constexpr, BLOCK_M2: ttgl.constexpr, STEP_W: ttgl.constexpr,
     NUM_STAGES: ttgl.constexpr, SPLIT: ttgl.constexpr, USE_PDL: ttgl.constexpr,
+    SHIFT: ttgl.constexpr,
 ):  # fmt: skip
     """Launched with BLOCK_N / 16 warps (the consumer warpgroups); warp_specialize adds the
     producer warp."""
@@ -449,9 +459,9 @@ def _wint_ws_kernel(
     sizes = (M, N, KW, stride_sn, stride_om, x_tiles, num_units)
     ttgl.warp_specialize([
         (_consume, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, BLOCK_M2,
-                    STEP_W, NUM_STAGES, SPLIT, USE_PDL)),
+                    STEP_W, NUM_STAGES, SPLIT, USE_PDL, SHIFT)),
         (_produce, (descs, smem, ptrs, sizes, BITS, GROUP_STEPS, BLOCK_N, BLOCK_M, BLOCK_M2,
-                    STEP_W, NUM_STAGES, SPLIT, USE_PDL)),
+                    STEP_W, NUM_STAGES, SPLIT, USE_PDL, SHIFT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -586,12 +596,21 @@ def _w_layout(bits: int):
                                   rank=2)
 
 
-def _constexprs(bits: int, group: int, k: int, tiles: WsTiles, use_pdl: bool) -> dict:
+def _constexprs(bits: int, group: int, k: int, tiles: WsTiles, use_pdl: bool,
+                shift: bool) -> dict:
     step_w = STEP * bits // 32
     return dict(BITS=bits, GROUP_STEPS=group // STEP if group < k else 0,
                 BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, BLOCK_M2=tiles.block_m2,
                 STEP_W=step_w,
-                NUM_STAGES=tiles.stages, SPLIT=tiles.split, USE_PDL=use_pdl)
+                NUM_STAGES=tiles.stages, SPLIT=tiles.split, USE_PDL=use_pdl, SHIFT=shift)
+
+
+def _shifts(m: int, tiles: WsTiles) -> bool:
+    """Whether the last x tile's box shifts back to end at row M (_x_start): M holds a whole
+    box and is no multiple of it. Elsewhere the kernel without the shift, whose epilogue masks
+    less: with it at every M, decode steps at batch 512 ran 0.2% slower
+    (results/h100/wint_ws_shift.txt)."""
+    return m > tiles.rows and m % tiles.rows != 0
 
 
 def _out_width(n: int) -> int:
@@ -699,16 +718,19 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, out: tor
     _wint_ws_kernel[(min(num_units, num_sms(x.device)),)](
         x_desc, x2_desc, w_desc, scales, out, parts, counters, m, n, kw, scales.stride(0),
         out.stride(0),
-        x_tiles, num_units, **_constexprs(bits, group, k, tiles, launch["USE_PDL"]),
+        x_tiles, num_units,
+        **_constexprs(bits, group, k, tiles, launch["USE_PDL"], _shifts(m, tiles)),
         num_warps=4 * tiles.consumers, maxnreg=_maxnreg(tiles), launch_pdl=launch["launch_pdl"],
     )  # fmt: skip
 
 
 def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
-                 dtype: str = "bf16", use_pdl: bool = True, out_dtype: str | None = None):
+                 dtype: str = "bf16", use_pdl: bool = True, out_dtype: str | None = None,
+                 shift: bool = True):
     """The kernel compiled for sm_90 on any host (kiln.kernels._gluon.compile_sm90) as it is
     launched: M and the unit counts unspecialized (any row counts), N divisible by 16; x, the
-    scales and (unless ``out_dtype``, as "fp32") the output in ``dtype``."""
+    scales and (unless ``out_dtype``, as "fp32") the output in ``dtype``; ``shift``: the
+    variant launched where M is no multiple of the tile's rows (_shifts)."""
     tiles = tiles or WsTiles()
     step_w = STEP * bits // 32
     sig = {"x_desc": f"tensordesc<{dtype}[{tiles.block_m}, {STEP}],{_x_layout()!r}>",
@@ -718,7 +740,8 @@ def compile_sm90(bits: int, group: int, k: int, tiles: WsTiles | None = None,
            "s_ptr": f"*{dtype}", "out_ptr": f"*{out_dtype or dtype}", "part_ptr": "*fp32",
            "count_ptr": "*i32", "M": "i32", "N": "i32", "KW": "i32", "stride_sn": "i32",
            "stride_om": "i32", "x_tiles": "i32", "num_units": "i32"}
-    return _gluon.compile_sm90(_wint_ws_kernel, sig, _constexprs(bits, group, k, tiles, use_pdl),
+    return _gluon.compile_sm90(_wint_ws_kernel, sig,
+                               _constexprs(bits, group, k, tiles, use_pdl, shift),
                                4 * tiles.consumers, maxnreg=_maxnreg(tiles),
                                unspecialized=_UNSPECIALIZED)
 

@@ -167,11 +167,14 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m
     serialize them), no instruction touching an in-flight wgmma's operand or accumulator
     registers anywhere in the kernel, no local memory, and (K not split) 16-byte stores of the
     output (float32 too). With a second wgmma (block_m2) each step issues both on the same
-    operand and the wait leaves one step's pair pending. smem_bytes bounds its shared memory."""
+    operand and the wait leaves one step's pair pending. smem_bytes bounds its shared memory.
+    Compiled for a ragged M: the variant whose last x box shifts back to end at M (the more
+    code of the two)."""
     report = sm90_compile_report("wint_ws", "--bits", str(bits), "--group", str(group),
                                  "--block-n", str(block_n), "--block-m", str(block_m),
                                  "--split", str(split), "--block-m2", str(block_m2),
-                                 *(["--out-fp32"] if out_fp32 else []), "--dump", str(tmp_path),
+                                 "--ragged-m", *(["--out-fp32"] if out_fp32 else []),
+                                 "--dump", str(tmp_path),
                                  timeout=600)
     ptx = (tmp_path / "wint_ws.ptx").read_text()
     loop = (tmp_path / "k_loop.sass").read_text()
