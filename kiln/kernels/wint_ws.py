@@ -494,7 +494,7 @@ _COSTS = {
     WsTiles(128, 128, 6, block_m2=64): (8.377, 0.488, None, 0.0, 0.0083),
 }
 SPLITS = (1, 2, 4)
-X_MIB_MAX = 28.0
+X_MIB_MAX = 28.0  # MiB of x past which a K step stops slowing (above)
 # Rows from which this kernel takes each code width (fewer: wint_mma.py, or quant_gemm's tile
 # kernel for 8-bit codes): in the sweep, int4 at 32 rows ran 92 us a layer here against
 # wint_mma's 76, at 48 rows 102 against 155; 8-bit codes at 32 rows 102 against the tile
