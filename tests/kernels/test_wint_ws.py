@@ -152,13 +152,18 @@ def test_gpu_wint_ws_applies_to_formats():
 
 
 @needs_triton
-@pytest.mark.parametrize("bits, group, block_n, block_m, split, block_m2, out_fp32",
-                         [(4, 128, 128, 256, 1, 0, False), (8, 4096, 128, 256, 1, 0, False),
-                          (4, 4096, 64, 128, 1, 0, False), (8, 4096, 128, 64, 4, 0, False),
-                          (4, 64, 64, 32, 2, 0, False), (4, 128, 128, 128, 1, 32, False),
-                          (8, 4096, 128, 128, 1, 64, False), (8, 4096, 64, 128, 1, 32, True)])
+@pytest.mark.parametrize("bits, group, block_n, block_m, split, block_m2, out_fp32, ragged",
+                         [(4, 128, 128, 256, 1, 0, False, True),
+                          (4, 128, 128, 256, 1, 0, False, False),
+                          (8, 4096, 128, 256, 1, 0, False, True),
+                          (4, 4096, 64, 128, 1, 0, False, False),
+                          (8, 4096, 128, 64, 4, 0, False, True),
+                          (4, 64, 64, 32, 2, 0, False, True),
+                          (4, 128, 128, 128, 1, 32, False, True),
+                          (8, 4096, 128, 128, 1, 64, False, True),
+                          (8, 4096, 64, 128, 1, 32, True, True)])
 def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m2, out_fp32,
-                                   tmp_path):
+                                   ragged, tmp_path):
     """The kernel compiles for sm_90 on a CPU host (in a subprocess: this package's conftest
     turns the interpreter on), warp-specialized (the producer warp gives up registers, the
     consumers take them), x and words by TMA, and its K loop is what the design says: two
@@ -168,12 +173,13 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m
     registers anywhere in the kernel, no local memory, and (K not split) 16-byte stores of the
     output (float32 too). With a second wgmma (block_m2) each step issues both on the same
     operand and the wait leaves one step's pair pending. smem_bytes bounds its shared memory.
-    Compiled for a ragged M: the variant whose last x box shifts back to end at M (the more
-    code of the two)."""
+    Both variants (_shifts): for a ragged M, whose last x box shifts back to end at M, and for
+    an M of whole boxes."""
     report = sm90_compile_report("wint_ws", "--bits", str(bits), "--group", str(group),
                                  "--block-n", str(block_n), "--block-m", str(block_m),
                                  "--split", str(split), "--block-m2", str(block_m2),
-                                 "--ragged-m", *(["--out-fp32"] if out_fp32 else []),
+                                 *(["--ragged-m"] if ragged else []),
+                                 *(["--out-fp32"] if out_fp32 else []),
                                  "--dump", str(tmp_path),
                                  timeout=600)
     ptx = (tmp_path / "wint_ws.ptx").read_text()
