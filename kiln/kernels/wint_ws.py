@@ -263,7 +263,13 @@ def _step(smem, s_rows, accs, count, step, first, BITS: ttgl.constexpr,
     wgmma (two with BLOCK_M2: accs is the pair of accumulators, else a 1-tuple); then wait for
     the previous step's wgmmas and release its stage. The unit's LAST step waits for its own
     wgmmas too, in the same block: ptxas let the epilogue read the accumulator before a wait
-    placed after the loop."""
+    placed after the loop.
+    Each wgmma starts with a fence (WARPGROUP.ARRIVE) that holds the warps until the wgmma
+    issued before it is well on: with the larger issued first, the next step's decode waited
+    for it, and 128 x (128 + 64) tiles took 1045 cycles a K step, as many as 128 x 256
+    (%clock64 in the K loop; alone, without the decode, the two wgmmas take 768). The smaller
+    first made gate_up at 768 rows 0.89x / 0.96x the time in 128 x (128 + 32 / 64) tiles, qkv
+    at 336 0.91x (results/h100/wint_ws_order.txt)."""
     x_bufs, x2_bufs, w_bufs, ready, empty = smem
     stage = count % NUM_STAGES
     if GROUP_STEPS > 0:  # issued before the wait: its latency hides behind it
@@ -272,12 +278,13 @@ def _step(smem, s_rows, accs, count, step, first, BITS: ttgl.constexpr,
     a = _decode(w_bufs.index(stage).load(LW), BITS, L4, A, x_bufs.dtype)
     if GROUP_STEPS > 0:
         a = a * s[:, None]
-    acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), accs[0], is_async=True)
-    if BLOCK_M2 > 0:
+    if BLOCK_M2 > 0:  # the smaller wgmma first (the docstring says why)
         acc2 = warpgroup_mma(ttgl.convert_layout(a, A2, assert_trivial=True),
                              x2_bufs.index(stage).permute((1, 0)), accs[1], is_async=True)
+        acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), accs[0], is_async=True)
         accs = warpgroup_mma_wait(0 if LAST else 2, deps=[acc, acc2])
     else:
+        acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), accs[0], is_async=True)
         accs = (warpgroup_mma_wait(0 if LAST else 1, deps=[acc]),)
     if step > 0:  # the unit's previous step
         mbarrier.arrive(empty.index((count + NUM_STAGES - 1) % NUM_STAGES))
@@ -490,8 +497,8 @@ _COSTS = {
     WsTiles(64, 128, 8, block_m2=32): (3.854, 0.236, None, 0.069, 0.005),
     WsTiles(64, 128, 8, block_m2=64): (4.691, 0.256, None, 0.053, 0.005),
     WsTiles(64, 256, 5, block_m2=64): (1.801, 0.409, None, 0.096, 0.0075),
-    WsTiles(128, 128, 6, block_m2=32): (6.895, 0.471, None, 0.0, 0.0083),
-    WsTiles(128, 128, 6, block_m2=64): (8.377, 0.488, None, 0.0, 0.0083),
+    WsTiles(128, 128, 6, block_m2=32): (7.77, 0.382, None, 0.0, 0.0083),
+    WsTiles(128, 128, 6, block_m2=64): (9.202, 0.433, None, 0.0, 0.0083),
 }
 SPLITS = (1, 2, 4)
 X_MIB_MAX = 28.0  # MiB of x past which a K step stops slowing (above)
