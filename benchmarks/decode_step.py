@@ -43,7 +43,8 @@ for batch in [int(b) for b in args.batch_size.split(",")]:
                          f"cache has {engine.kv_cache.num_blocks}")
     tables = [list(range(i * pages, (i + 1) * pages)) for i in range(batch)]
     graphs.run([0] * batch, [args.context - 1] * batch, tables)  # inputs, once
-    graph = graphs.graphs[("decode", graphs.replay_size(batch))]
+    size = graphs.replay_size(batch)  # the captured graph the batch replays (padded up, routed)
+    graph = graphs.graphs[("decode", size)]
     for _ in range(10):
         graph.replay()
     start.record()
@@ -54,4 +55,5 @@ for batch in [int(b) for b in args.batch_size.split(",")]:
     ms = start.elapsed_time(end) / args.replays
     print(f"decode step, batch {batch} x {args.context} tokens of context, "
           f"{args.quantization or 'bf16'}: {ms:.3f} ms of "
-          f"device time per step ({1e3 / ms:.1f} steps/s) over {args.replays} back-to-back replays")
+          f"device time per step ({1e3 / ms:.1f} steps/s) over {args.replays} back-to-back replays "
+          f"of the batch-{size} graph")

@@ -39,7 +39,15 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
     return capped + [max_num_seqs]
 
 
-def fastest_holding(sizes: list[int], ms: dict[int, float], margin: float = 0.05) -> dict[int, int]:
+# share of a graph's start-up time a larger graph must save to take its batches (decode steps
+# timed twice on one machine differed by at most 0.5%). At 5% the int4 engine kept batches of
+# 264-272 on their own graph: 13.50-13.74 ms a step at 384 tokens of context, against 13.07-13.17
+# replaying 320's at 2% (results/h100/wint_ws_order.txt); bf16's routes were the same at both.
+ROUTE_MARGIN = 0.02
+
+
+def fastest_holding(sizes: list[int], ms: dict[int, float],
+                    margin: float = ROUTE_MARGIN) -> dict[int, int]:
     """For each batch size whose graph a larger one beats by more than ``margin`` (its device
     time ``ms``), the fastest larger size: a batch padded up to it runs sooner (cuBLAS's bf16
     GEMMs at 448 rows take longer than at 512 on the H100). Padded rows cost only GEMM rows."""

@@ -16,6 +16,13 @@ def test_a_batch_goes_to_a_larger_graph_only_when_it_is_faster_by_the_margin():
     assert fastest_holding(sizes, ms) == {384: 512, 448: 512}
 
 
+def test_a_few_percent_faster_larger_graph_is_taken_and_a_tie_is_not():
+    sizes = [272, 288, 320]
+    # int4's 272 rows against 320 in one x box on the H100: 3% apart
+    assert fastest_holding(sizes, {272: 10.3, 288: 10.4, 320: 10.0}) == {272: 320, 288: 320}
+    assert fastest_holding(sizes, {272: 10.1, 288: 10.4, 320: 10.0}) == {288: 320}
+
+
 def test_the_fastest_of_several_larger_graphs_is_taken():
     sizes = [8, 16, 24, 32]
     ms = {8: 3.0, 16: 2.0, 24: 1.5, 32: 2.5}
