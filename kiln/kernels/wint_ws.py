@@ -268,8 +268,8 @@ def _step(smem, s_rows, accs, count, step, first, BITS: ttgl.constexpr,
     issued before it is well on: with the larger issued first, the next step's decode waited
     for it, and 128 x (128 + 64) tiles took 1045 cycles a K step, as many as 128 x 256
     (%clock64 in the K loop; alone, without the decode, the two wgmmas take 768). The smaller
-    first made gate_up at 768 rows 0.89x / 0.96x the time in 128 x (128 + 32 / 64) tiles, qkv
-    at 336 0.91x (results/h100/wint_ws_order.txt)."""
+    first: 128 x (128 + 32 / 64) tiles 0.85x / 0.93x the time (geometric means over 72 shapes),
+    one warpgroup's within 1% (results/h100/wint_ws_order.txt)."""
     x_bufs, x2_bufs, w_bufs, ready, empty = smem
     stage = count % NUM_STAGES
     if GROUP_STEPS > 0:  # issued before the wait: its latency hides behind it
@@ -484,7 +484,9 @@ def _wint_ws_kernel(
 # its first wgmma's tiling's e (the sweeps have no large x for it). Past X_MIB_MAX MiB of x a
 # step stops slowing: at 1024-8192 rows 128 x 256 tiles ran within 10% of the model with x
 # capped there (5% rms); uncapped, it gave down_proj at 8192 rows 2.9x the measured time
-# (results/h100/wint_ws_shift.txt). Each ring depth is the sweep's fastest.
+# (results/h100/wint_ws_shift.txt). Each ring depth is the sweep's fastest. The two 128-row W
+# tilings with two wgmmas are refitted on sweeps with the smaller wgmma first (_step;
+# results/h100/wint_ws_order.txt).
 _COSTS = {
     WsTiles(64, 32, 8): (3.85, 0.152, 1.872, 0.0, 0.0099),
     WsTiles(64, 64, 8): (4.544, 0.156, 3.676, 0.03, 0.0017),
