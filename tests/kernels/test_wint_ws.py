@@ -172,7 +172,8 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m
     serialize them), no instruction touching an in-flight wgmma's operand or accumulator
     registers anywhere in the kernel, no local memory, and (K not split) 16-byte stores of the
     output (float32 too). With a second wgmma (block_m2) each step issues both on the same
-    operand and the wait leaves one step's pair pending. smem_bytes bounds its shared memory.
+    operand, the smaller first (_step), and the wait leaves one step's pair pending.
+    smem_bytes bounds its shared memory.
     Both variants (_shifts): for a ragged M, whose last x box shifts back to end at M, and for
     an M of whole boxes."""
     report = sm90_compile_report("wint_ws", "--bits", str(bits), "--group", str(group),
@@ -186,8 +187,11 @@ def test_wint_ws_compiles_for_sm90(bits, group, block_n, block_m, split, block_m
     loop = (tmp_path / "k_loop.sass").read_text()
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "cp.async.bulk.tensor" in ptx
-    for n in (block_m, block_m2) if block_m2 else (block_m,):
+    widths = [n for n in (block_m2, block_m) if n]  # in the order they are issued
+    for n in widths:
         assert len(re.findall(rf"HGMMA\.64x{n}x16\.F32\.BF16 R\d+, R\d+", loop)) == 8, loop
+    issued = [int(n) for n in re.findall(r"HGMMA\.64x(\d+)x16", loop)]
+    assert issued == [n for n in widths for _ in range(4)] * 2, issued
     assert loop.count(f"WARPGROUP.DEPBAR.LE gsb0, {'0x2' if block_m2 else '0x1'}") == 2, loop
     assert report["wgmma_hazards"] == []
     assert report["spill_stack_bytes"] == 0
