@@ -264,12 +264,12 @@ def _step(smem, s_rows, accs, count, step, first, BITS: ttgl.constexpr,
     the previous step's wgmmas and release its stage. The unit's LAST step waits for its own
     wgmmas too, in the same block: ptxas let the epilogue read the accumulator before a wait
     placed after the loop.
-    Each wgmma starts with a fence (WARPGROUP.ARRIVE) that holds the warps until the wgmma
-    issued before it is well on: with the larger issued first, the next step's decode waited
-    for it, and 128 x (128 + 64) tiles took 1045 cycles a K step, as many as 128 x 256
-    (%clock64 in the K loop; alone, without the decode, the two wgmmas take 768). The smaller
-    first: 128 x (128 + 32 / 64) tiles 0.85x / 0.93x the time (geometric means over 72 shapes),
-    one warpgroup's within 1% (results/h100/wint_ws_order.txt)."""
+    Each wgmma starts with a fence (WARPGROUP.ARRIVE), and the times fit its holding the warps
+    until the wgmma group before it is done: with the larger issued first, the next step's
+    decode waited for it, and 128 x (128 + 64) tiles took 1045 cycles a K step, as many as
+    128 x 256 (%clock64 in the K loop; alone, without the decode, the two wgmmas take 768).
+    The smaller first: 128 x (128 + 32 / 64) tiles 0.85x / 0.93x the time (geometric means
+    over 72 shapes), one warpgroup's within 1% (results/h100/wint_ws_order.txt)."""
     x_bufs, x2_bufs, w_bufs, ready, empty = smem
     stage = count % NUM_STAGES
     if GROUP_STEPS > 0:  # issued before the wait: its latency hides behind it
