@@ -281,10 +281,10 @@ def _step(smem, s_rows, accs, count, step, first, BITS: ttgl.constexpr,
     if BLOCK_M2 > 0:  # the smaller wgmma first (the docstring says why)
         acc2 = warpgroup_mma(ttgl.convert_layout(a, A2, assert_trivial=True),
                              x2_bufs.index(stage).permute((1, 0)), accs[1], is_async=True)
-        acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), accs[0], is_async=True)
+    acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), accs[0], is_async=True)
+    if BLOCK_M2 > 0:
         accs = warpgroup_mma_wait(0 if LAST else 2, deps=[acc, acc2])
     else:
-        acc = warpgroup_mma(a, x_bufs.index(stage).permute((1, 0)), accs[0], is_async=True)
         accs = (warpgroup_mma_wait(0 if LAST else 1, deps=[acc]),)
     if step > 0:  # the unit's previous step
         mbarrier.arrive(empty.index((count + NUM_STAGES - 1) % NUM_STAGES))
@@ -297,10 +297,10 @@ def _step(smem, s_rows, accs, count, step, first, BITS: ttgl.constexpr,
 def _out_mask(rows, cols, x_tile, M, N, X_ROWS: ttgl.constexpr, SHIFT: ttgl.constexpr):
     """Which of the output tile's [rows, cols] to store: nothing past N or M, nor (SHIFT) the
     last x tile's columns of the tile before it."""
+    cols_kept = cols < M
     if SHIFT:
-        return (rows < N)[:, None] & ((cols >= x_tile * X_ROWS) & (cols < M))[None, :]
-    else:
-        return (rows < N)[:, None] & (cols < M)[None, :]
+        cols_kept = (cols >= x_tile * X_ROWS) & cols_kept
+    return (rows < N)[:, None] & cols_kept[None, :]
 
 
 @jit
