@@ -45,21 +45,17 @@ def calibration_ids(tokenizer: Any, source: str, num_samples: int, seq_len: int,
     """[num_samples, seq_len] int64 windows cut at random offsets from `<bos> text <eos>`."""
     if num_samples < 1 or seq_len < 2:
         raise ValueError(f"need num_samples >= 1 and seq_len >= 2, got {num_samples}, {seq_len}")
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    # (here, not at the top: kiln.quant loads with every quantized model, eval's CLI need not)
+    from kiln.eval.perplexity import encode_documents
+
     need = 4 * num_samples * seq_len  # headroom so that windows rarely overlap
-    stream: list[int] = []
-    for text in calibration_texts(source):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        stream += ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])
-        if len(stream) >= need:
-            break
+    stream = encode_documents(tokenizer, calibration_texts(source), max_tokens=need)
     if len(stream) < seq_len:
         raise ValueError(f"calibration text {source!r} has {len(stream)} tokens; seq_len "
                          f"{seq_len} needs more")
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(stream) - seq_len + 1, (num_samples,), generator=gen)
-    flat = torch.tensor(stream, dtype=torch.long)
-    return torch.stack([flat[s : s + seq_len] for s in starts.tolist()])
+    return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
 
 
 @dataclass
