@@ -73,10 +73,14 @@ def main(log_level: str) -> None:
               help="checkpoint directory, Hugging Face hub id, or zoo name")
 @click.option("--prompt", required=True, help="text to continue")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--temperature", default=0.0, show_default=True, type=float)
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int)
-@click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="0: greedy")
+@click.option("--top-p", default=1.0, show_default=True,
+              type=click.FloatRange(min=0.0, max=1.0, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=-1),
+              help="0 or -1: off")
+@click.option("--chat", is_flag=True,
+              help="wrap the prompt in the model's chat template and print only the reply")
 @engine_options
 def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, chat: bool, engine_kwargs: dict[str, Any]) -> None:
@@ -97,14 +101,18 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
         engine.add_request("cli", prompt, params)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(prompt, nl=False)
+    if not chat:  # (the templated prompt is markup: a chat shows the reply alone)
+        click.echo(prompt, nl=False)
     printed = 0
     for out in engine.stream_outputs():
-        text = out.outputs[0].text
-        click.echo(text[printed:], nl=False)
-        printed = len(text)
+        done = out.outputs[0]
+        click.echo(done.text[printed:], nl=False)
+        printed = len(done.text)
         sys.stdout.flush()
     click.echo()
+    if done.finish_reason == "length" and len(done.token_ids) < max_tokens:
+        click.echo(f"(stopped at the model's context of {engine.max_model_len} tokens, "
+                   f"{len(done.token_ids)} of --max-tokens {max_tokens} generated)", err=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import asyncio
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -158,6 +159,7 @@ async def run_serve_async(cfg: ServeConfig, transport: httpx.AsyncBaseTransport 
     model = cfg.model or (served[0] if served else None)
     if model is None:
         raise ValueError(f"{cfg.base_url}/v1/models lists no model; pass --served-model-name")
+    vocab_size = cfg.vocab_size or local_vocab_size(model)
     metrics, records = [], []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=cfg.request_timeout_s, limits=limits,
@@ -168,20 +170,35 @@ async def run_serve_async(cfg: ServeConfig, transport: httpx.AsyncBaseTransport 
                 warm = await asyncio.gather(*[
                     stream_completion(client, url, completion_payload(
                         model, r.prompt, r.output_len, cfg.ignore_eos))
-                    for r in derived_requests(cfg.workload, cfg.vocab_size, WARMUP_SEED_OFFSET,
+                    for r in derived_requests(cfg.workload, vocab_size, WARMUP_SEED_OFFSET,
                                               cfg.num_warmups, WARMUP_OUTPUT_LEN)])
                 failed = [w.error for w in warm if not w.ok]
                 if failed:
                     raise RuntimeError(f"warm-up request failed: {failed[0]}")
             for case, rate in enumerate(cfg.request_rates):
-                requests = derived_requests(cfg.workload, cfg.vocab_size, case * RATE_SEED_STEP)
+                requests = derived_requests(cfg.workload, vocab_size, case * RATE_SEED_STEP)
                 m, recs = await _run_rate(client, cfg, model, requests, rate, case, progress)
                 metrics.append(m)
                 records += recs
     config = {k: v for k, v in asdict(cfg).items() if k != "workload"}
-    config.update(served_model=model, warmup_output_len=WARMUP_OUTPUT_LEN)
+    config.update(served_model=model, vocab_size=vocab_size, warmup_output_len=WARMUP_OUTPUT_LEN)
     return make_result("serve", server_device(cfg.base_url), config, cfg.workload.to_dict(),
                        metrics, records)
+
+
+def local_vocab_size(model: str) -> int | None:
+    """The vocabulary of the served ``model`` where its name is a Kiln zoo model or a local
+    checkpoint directory (servers started with a path name the model so), else None: without
+    --model the random token ids then still fit the server's vocabulary (kiln-tiny has 8192
+    ids, the workloads' default range reaches 120000). Never downloads."""
+    from kiln.models.loader import read_json
+    from kiln.zoo import ZOO_MODELS, model_path
+
+    path = Path(model_path(model)) if model in ZOO_MODELS else Path(model).expanduser()
+    try:
+        return int(read_json(path / "config.json")["vocab_size"])
+    except (FileNotFoundError, ValueError, KeyError, OSError):
+        return None
 
 
 def server_device(base_url: str) -> dict[str, Any]:

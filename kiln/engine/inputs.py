@@ -36,7 +36,9 @@ def tokenize_prompt(prompt: PromptLike, tokenizer: Any, vocab_size: int) -> Prom
             raise ValueError("prompt is empty; give at least one character or token id")
         if tokenizer is None:
             raise ValueError("this model has no tokenizer files; pass prompts as token-id lists")
-        return Prompt(token_ids=list(tokenizer.encode(prompt)), text=prompt)
+        # (verbose=False: a prompt past the tokenizer's model_max_length is checked against the
+        # engine's max_model_len with a clear error, not transformers' indexing warning)
+        return Prompt(token_ids=list(tokenizer.encode(prompt, verbose=False)), text=prompt)
     if not isinstance(prompt, list | tuple):
         raise TypeError(f"a prompt must be a string or a list of token ids, got "
                         f"{type(prompt).__name__}")

@@ -113,8 +113,8 @@ def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, max_model_len: 
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * cc.block_size} tokens) but one "
-            f"request of max_model_len={max_model_len} needs {needed} blocks; raise {knob} or "
-            f"lower max_model_len")
+            f"request of max_model_len={max_model_len} needs {needed} blocks; raise "
+            f"--{knob.replace('_', '-')} or lower --max-model-len")
     num_cpu_blocks = (int(cc.swap_space * GB // per_block)
                       if config.scheduler.preemption_mode == "swap" else 0)
     return num_blocks, num_cpu_blocks

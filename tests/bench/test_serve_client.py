@@ -18,16 +18,20 @@ TOKENS_PER_CHUNK = 2  # chunks carry two tokens, so counting chunks would underc
 
 
 def fake_server(fail_prompt_len: int | None = None, send_usage: bool = True,
-                delay_s: float = 0.0) -> httpx.MockTransport:
-    """Streams max_tokens 'tokens' in chunks of two; usage counts the prompt's token ids."""
+                delay_s: float = 0.0, served: str = "fake-model",
+                prompts: list | None = None) -> httpx.MockTransport:
+    """Streams max_tokens 'tokens' in chunks of two; usage counts the prompt's token ids.
+    Lists ``served`` in /v1/models; appends each prompt to ``prompts``."""
 
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
             return httpx.Response(200, json={"status": "ok"})
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
+            return httpx.Response(200, json={"object": "list", "data": [{"id": served}]})
         body = json.loads(request.content)
         prompt, max_tokens = body["prompt"], body["max_tokens"]
+        if prompts is not None:
+            prompts.append(prompt)
         if len(prompt) == fail_prompt_len:
             return httpx.Response(500, json={"error": {"message": "boom"}})
         await asyncio.sleep(delay_s)
@@ -143,3 +147,16 @@ async def test_concurrency_cap_and_failures():
     m = r["metrics"][0]
     assert m["num_failed"] == spec_lens.count(bad) and m["num_completed"] == 6 - m["num_failed"]
     assert all(q["error"] for q in r["requests"] if not q["ok"])
+
+
+async def test_token_ids_fit_a_served_zoo_model_without_model_option():
+    """Without --model the random ids still fit the vocabulary of a server whose model name is
+    a Kiln zoo model (kiln-tiny: 8192 ids; the workload's range reaches 120000); an unknown
+    name leaves the range as the workload gives it."""
+    prompts: list = []
+    r = await run_serve_async(_config(num_warmups=1),
+                              transport=fake_server(served="kiln-tiny", prompts=prompts))
+    assert r["config"]["vocab_size"] == 8192 and len(prompts) == 7
+    assert max(max(p) for p in prompts) < 8192
+    r = await run_serve_async(_config(num_warmups=0), transport=fake_server())
+    assert r["config"]["vocab_size"] is None
