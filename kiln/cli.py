@@ -9,8 +9,7 @@ from typing import Any
 import click
 
 from kiln.cli_options import engine_options
-
-DEFAULT_MODEL = "kiln-tiny"
+from kiln.zoo import DEFAULT_MODEL
 
 
 def _load(name: str, module: str, attr: str) -> click.Command:

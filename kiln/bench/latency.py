@@ -22,6 +22,7 @@ from kiln.bench.result import make_result
 from kiln.bench.stats import latency_metrics, request_latencies, summarize
 from kiln.bench.workload import BenchRequest, WorkloadSpec, build_requests
 from kiln.models.loader import resolve_device, resolve_model_path
+from kiln.progress import make_progress
 
 WARMUP_OUTPUT_LEN = 32  # enough decode steps to compile every kernel variant, not a full run
 
@@ -156,7 +157,7 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     ceilings = {"bandwidth_gbps": ceiling,
                 "bandwidth_source": "given" if cfg.bandwidth_gbps
                 else "measured: device-to-device copy"}
-    with offline.make_progress() as progress:
+    with make_progress() as progress:
         metrics, records, info = _run_kiln(cfg, progress)
         for m in metrics:
             c = m["case"]

@@ -12,8 +12,7 @@ import itertools
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from torch import nn
 
 from kiln.bench.stats import request_latencies
@@ -29,13 +28,6 @@ from kiln.sampling.params import SamplingParams
 BENCH_ENGINE_DEFAULTS = {"enable_prefix_caching": False}
 
 _ids = itertools.count()
-
-
-def make_progress() -> Progress:
-    """A rich progress bar on stderr, silent when stderr is not a terminal (CI, pipes)."""
-    console = Console(stderr=True)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, disable=not console.is_terminal)
 
 
 def build_llm(model: str, engine_kwargs: dict[str, Any]) -> LLM:

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from kiln.bench.env import device_info
-from kiln.bench.offline import make_progress
 from kiln.bench.result import make_result
 from kiln.bench.serve_client import (
     StreamResult,
@@ -37,6 +36,7 @@ from kiln.bench.workload import (
     WorkloadSpec,
     derived_requests,
 )
+from kiln.progress import make_progress
 
 ARRIVALS = ("poisson", "constant")
 WARMUP_OUTPUT_LEN = 16

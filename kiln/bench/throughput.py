@@ -23,6 +23,7 @@ from kiln.bench.workload import (
     derived_requests,
 )
 from kiln.models.loader import resolve_device, resolve_model_path
+from kiln.progress import make_progress
 
 WARMUP_OUTPUT_LEN = 16
 
@@ -88,7 +89,7 @@ def _run_peer(cfg: ThroughputConfig, info: dict, metrics: dict, progress: Any) -
 
 def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     device = resolve_device(cfg.engine_kwargs.get("device", "auto"))
-    with offline.make_progress() as progress:
+    with make_progress() as progress:
         metrics, records, info = _run_kiln(cfg, progress)
         peer_name = _run_peer(cfg, info, metrics, progress) if cfg.peer == "hf" else None
     config = {k: v for k, v in asdict(cfg).items() if k not in ("engine_kwargs", "workload")}

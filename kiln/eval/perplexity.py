@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,7 +19,12 @@ import click
 import torch
 import typer
 
+from kiln.progress import make_progress
+from kiln.zoo import DEFAULT_MODEL
+
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+# on_window(windows_done, windows_total), called after each window's forward pass
+WindowCallback = Callable[[int, int], None]
 DATASETS = ("zoo-heldout",)
 
 
@@ -69,22 +75,34 @@ def sliding_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int
 
 
 def _scored_logits(
-    logits_fn: LogitsFn, ids: torch.Tensor, window: int, stride: int
+    logits_fn: LogitsFn,
+    ids: torch.Tensor,
+    window: int,
+    stride: int | None,
+    on_window: WindowCallback | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield (logits [k, V] float32, targets [k]) for each window's newly scored targets."""
-    for begin, end, first in sliding_windows(ids.numel(), window, stride):
+    """Yield (logits [k, V] float32, targets [k]) for each window's newly scored targets
+    (stride default window/2; an explicit 0 reaches sliding_windows' check, not the default)."""
+    stride = max(1, window // 2) if stride is None else stride
+    spans = sliding_windows(ids.numel(), window, stride)
+    for done, (begin, end, first) in enumerate(spans, 1):
         logits = logits_fn(ids[begin:end].unsqueeze(0))[0]  # [end - begin, V]
+        if on_window is not None:
+            on_window(done, len(spans))
         yield logits[first - 1 - begin : end - 1 - begin].float(), ids[first:end]
 
 
 @torch.inference_mode()
 def perplexity(
-    logits_fn: LogitsFn, ids: torch.Tensor, window: int, stride: int | None = None
+    logits_fn: LogitsFn,
+    ids: torch.Tensor,
+    window: int,
+    stride: int | None = None,
+    on_window: WindowCallback | None = None,
 ) -> PerplexityResult:
     """Perplexity of the 1-D token stream `ids` under `logits_fn` (stride default window/2)."""
-    stride = stride or max(1, window // 2)
     nll, count = 0.0, 0
-    for logits, targets in _scored_logits(logits_fn, ids, window, stride):
+    for logits, targets in _scored_logits(logits_fn, ids, window, stride, on_window):
         targets = targets.to(logits.device)
         nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         count += targets.numel()
@@ -98,11 +116,12 @@ def greedy_agreement(
     ids: torch.Tensor,
     window: int,
     stride: int | None = None,
+    on_window: WindowCallback | None = None,
 ) -> AgreementResult:
     """How often two models' argmax next tokens match, on the same contexts (a draft model's
     acceptance rate under greedy speculative decoding is bounded by this)."""
-    stride = stride or max(1, window // 2)
-    spans_a = _scored_logits(logits_fn_a, ids, window, stride)
+    # both streams advance in step, so one of them reports progress for the pair
+    spans_a = _scored_logits(logits_fn_a, ids, window, stride, on_window)
     spans_b = _scored_logits(logits_fn_b, ids, window, stride)
     agree, total = 0, 0
     for (logits_a, _), (logits_b, _) in zip(spans_a, spans_b, strict=True):
@@ -116,6 +135,9 @@ def encode_documents(
 ) -> torch.Tensor:
     """`<bos> text <eos>` per document (the zoo's training layout), with a transformers
     tokenizer; stops reading once `max_tokens` are there. Returns int64 [num_tokens]."""
+    if max_tokens is not None and max_tokens < 0:
+        # a negative slice bound below would silently drop tokens from the end instead
+        raise ValueError(f"max_tokens must be >= 0 or None (all); got {max_tokens}")
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     stream: list[int] = []
     for text in texts:
@@ -127,17 +149,20 @@ def encode_documents(
 
 
 def dataset_texts(dataset: str | None, file: Path | None) -> Iterator[str]:
+    """The documents of `dataset` or the one text of `file`. Not a generator, so that a bad
+    name or an empty file fails at the call, before a caller spends time loading a model."""
     if (dataset is None) == (file is None):
         raise ValueError("give exactly one of --dataset and --file")
     if file is not None:
-        yield Path(file).read_text(encoding="utf-8", errors="replace")
-        return
-    if dataset != "zoo-heldout":
+        text = Path(file).read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            raise ValueError(f"file {file} has no text to score")
+        return iter([text])
+    if dataset not in DATASETS:
         raise ValueError(f"dataset={dataset!r}; valid: {', '.join(DATASETS)}")
     from kiln.zoo import corpus
 
-    for f in corpus.read_files("heldout"):
-        yield f.text
+    return (f.text for f in corpus.read_files("heldout"))
 
 
 def kiln_logits_fn(loaded: Any) -> LogitsFn:
@@ -145,7 +170,18 @@ def kiln_logits_fn(loaded: Any) -> LogitsFn:
     return lambda ids: loaded.model.full_logits(ids.to(loaded.device))
 
 
-eval_app = typer.Typer(help="Accuracy: perplexity and model agreement.")
+# -h and plain click-style usage errors, like the rest of `kiln` (rich would box the errors)
+eval_app = typer.Typer(
+    help="Accuracy: perplexity and model agreement.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    rich_markup_mode=None,
+)
+
+# scoring needs a token and its predecessor: in the stream, and inside every window
+MaxTokens = Annotated[int | None, typer.Option(min=2, help="score only the first N tokens")]
+WindowOption = Annotated[
+    int | None, typer.Option(min=2, help="tokens per window (default and limit: model context)")
+]
 
 
 def _load(model: str, dtype: str, device: str, quantization: str | None = None) -> Any:
@@ -158,14 +194,69 @@ def _load(model: str, dtype: str, device: str, quantization: str | None = None) 
         raise click.ClickException(str(exc)) from None
 
 
+def _texts(dataset: str | None, file: Path | None) -> Iterator[str]:
+    """dataset_texts with a bad name, a --dataset/--file clash or an empty file reported as a
+    one-line CLI error; called before any model loads, so these fail at once."""
+    try:
+        return dataset_texts(dataset, file)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _window(window: int | None, models: dict[str, Any]) -> int:
+    """`window`, or by default the shortest context of `models` (name -> loaded model). A window
+    past a model's context would index beyond its rotary table deep in the forward pass."""
+    name, context = min(
+        ((name, loaded.arch.max_position_embeddings) for name, loaded in models.items()),
+        key=lambda name_context: name_context[1],
+    )
+    if window is None:
+        return context
+    if window > context:
+        raise click.ClickException(
+            f"--window {window} exceeds {name}'s context of {context} tokens; "
+            f"pass --window {context} or less"
+        )
+    return window
+
+
+def _encode(
+    tokenizer: Any, texts: Iterable[str], max_tokens: int | None, source: str
+) -> torch.Tensor:
+    """encode_documents, refusing a stream too short to score (a one-token file, with a
+    tokenizer that adds no <bos>/<eos>) as a one-line CLI error."""
+    ids = encode_documents(tokenizer, texts, max_tokens)
+    if ids.numel() < 2:
+        raise click.ClickException(
+            f"{source} gives {ids.numel()} token(s); need at least 2 to score"
+        )
+    return ids
+
+
+@contextmanager
+def _progress() -> Iterator[WindowCallback]:
+    """An on_window callback drawing kiln bench's progress bar: on stderr, so that stdout keeps
+    only the results, and silent when stderr is not a terminal."""
+    with make_progress() as progress:
+        task = progress.add_task("windows", total=None)
+        yield lambda done, total: progress.update(task, completed=done, total=total)
+
+
 @eval_app.command("ppl")
 def ppl_cmd(
-    model: Annotated[str, typer.Option(help="model directory, hub id or zoo name")],
-    dataset: Annotated[str | None, typer.Option(help="zoo-heldout")] = None,
-    file: Annotated[Path | None, typer.Option(help="a text file to score instead")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="score only the first N tokens")] = None,
-    window: Annotated[int | None, typer.Option(help="default: the model's context")] = None,
-    stride: Annotated[int | None, typer.Option(help="default: window / 2")] = None,
+    model: Annotated[str, typer.Option(help="model directory, hub id or zoo name")] = DEFAULT_MODEL,
+    dataset: Annotated[
+        str | None, typer.Option(help=f"{' / '.join(DATASETS)} (the default without --file)")
+    ] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, readable=True, help="a text file to score"),
+    ] = None,
+    max_tokens: MaxTokens = None,
+    window: WindowOption = None,
+    stride: Annotated[
+        int | None, typer.Option(min=1, help="tokens a window advances (default: window / 2)")
+    ] = None,
     dtype: Annotated[str, typer.Option()] = "auto",
     device: Annotated[str, typer.Option()] = "auto",
     quantization: Annotated[str | None, typer.Option(
@@ -173,11 +264,13 @@ def ppl_cmd(
 ) -> None:
     """Sliding-window perplexity of MODEL on a dataset or a file."""
     if dataset is None and file is None:
-        dataset = "zoo-heldout"
+        dataset = DATASETS[0]
+    texts = _texts(dataset, file)
     loaded = _load(model, dtype, device, quantization)
-    ids = encode_documents(loaded.tokenizer, dataset_texts(dataset, file), max_tokens)
-    window = window or loaded.arch.max_position_embeddings
-    result = perplexity(kiln_logits_fn(loaded), ids, window, stride)
+    window = _window(window, {model: loaded})
+    ids = _encode(loaded.tokenizer, texts, max_tokens, str(file or dataset))
+    with _progress() as on_window:
+        result = perplexity(kiln_logits_fn(loaded), ids, window, stride, on_window)
     quant = f"  quantization: {quantization}" if quantization else ""
     typer.echo(f"model: {model}{quant}  data: {file or dataset}  window: {window}")
     typer.echo(f"tokens evaluated: {result.num_tokens}")
@@ -186,19 +279,23 @@ def ppl_cmd(
 
 @eval_app.command("agree")
 def agree_cmd(
-    model: Annotated[str, typer.Option(help="target model")],
     draft: Annotated[str, typer.Option(help="draft model (same tokenizer)")],
-    max_tokens: Annotated[int | None, typer.Option(help="first N held-out tokens")] = None,
-    window: Annotated[int | None, typer.Option(help="default: the target's context")] = None,
+    model: Annotated[str, typer.Option(help="target model")] = DEFAULT_MODEL,
+    max_tokens: MaxTokens = None,
+    window: WindowOption = None,
     dtype: Annotated[str, typer.Option()] = "auto",
     device: Annotated[str, typer.Option()] = "auto",
 ) -> None:
     """Fraction of zoo held-out positions where DRAFT's greedy next token equals MODEL's."""
+    texts = _texts(DATASETS[0], None)
     target = _load(model, dtype, device)
     small = _load(draft, dtype, device)
-    ids = encode_documents(target.tokenizer, dataset_texts("zoo-heldout", None), max_tokens)
-    window = window or target.arch.max_position_embeddings
-    result = greedy_agreement(kiln_logits_fn(target), kiln_logits_fn(small), ids, window)
+    window = _window(window, {model: target, draft: small})
+    ids = _encode(target.tokenizer, texts, max_tokens, DATASETS[0])
+    with _progress() as on_window:
+        result = greedy_agreement(
+            kiln_logits_fn(target), kiln_logits_fn(small), ids, window, on_window=on_window
+        )
     typer.echo(f"positions: {result.num_positions}")
     typer.echo(f"greedy agreement: {result.fraction:.4f}")
 

@@ -8,8 +8,7 @@ from typing import Any
 import click
 
 from kiln.cli_options import engine_options
-
-DEFAULT_MODEL = "kiln-tiny"
+from kiln.zoo import DEFAULT_MODEL
 
 
 def summary_markdown(result: dict[str, Any], top: int) -> str:

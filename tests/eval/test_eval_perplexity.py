@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import math
 
+import click
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from kiln.eval import encode_documents, eval_app, greedy_agreement, perplexity, sliding_windows
+from kiln.eval.perplexity import _encode, dataset_texts
 
 VOCAB = 11
 
@@ -51,6 +53,26 @@ def test_bad_windows_are_rejected():
         sliding_windows(1, 8, 4)
 
 
+def test_zero_stride_is_rejected_not_taken_for_the_default():
+    ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="stride >= 1"):
+        perplexity(bigram_fn(), ids, window=8, stride=0)
+    with pytest.raises(ValueError, match="stride >= 1"):
+        greedy_agreement(bigram_fn(), bigram_fn(), ids, window=8, stride=0)
+
+
+@pytest.mark.parametrize("window,stride", [(8, None), (4, 1), (64, 32)])
+def test_on_window_reports_each_window_of_the_total(window, stride):
+    ids = torch.randint(0, VOCAB, (50,), generator=torch.Generator().manual_seed(6))
+    calls = []
+    perplexity(bigram_fn(), ids, window, stride, on_window=lambda *c: calls.append(c))
+    total = len(sliding_windows(50, window, stride or window // 2))
+    assert calls == [(done, total) for done in range(1, total + 1)]
+    calls.clear()
+    greedy_agreement(bigram_fn(0), bigram_fn(1), ids, window, stride, lambda *c: calls.append(c))
+    assert calls == [(done, total) for done in range(1, total + 1)]
+
+
 def test_uniform_logits_give_vocab_size():
     ids = torch.randint(0, VOCAB, (50,), generator=torch.Generator().manual_seed(1))
     result = perplexity(lambda x: torch.zeros(1, x.shape[1], VOCAB), ids, window=8)
@@ -87,14 +109,17 @@ def test_greedy_agreement_counts_matching_argmax():
     assert greedy_agreement(a, b, ids, window=8, stride=3).num_agree == expected
 
 
+class Tok:
+    """Characters as token ids, with <bos> 1 and <eos> 2."""
+
+    bos_token_id, eos_token_id = 1, 2
+
+    def __call__(self, text, add_special_tokens=True, verbose=True):
+        assert not add_special_tokens
+        return {"input_ids": [ord(c) for c in text]}
+
+
 def test_encode_documents_adds_bos_eos_and_truncates():
-    class Tok:
-        bos_token_id, eos_token_id = 1, 2
-
-        def __call__(self, text, add_special_tokens=True, verbose=True):
-            assert not add_special_tokens
-            return {"input_ids": [ord(c) for c in text]}
-
     assert encode_documents(Tok(), ["ab", "c"]).tolist() == [1, 97, 98, 2, 1, 99, 2]
     assert encode_documents(Tok(), ["ab", "c", "never read"], max_tokens=5).tolist() == [
         1,
@@ -103,6 +128,35 @@ def test_encode_documents_adds_bos_eos_and_truncates():
         2,
         1,
     ]
+
+
+def test_encode_documents_rejects_a_negative_max_tokens():
+    with pytest.raises(ValueError, match="max_tokens must be >= 0"):
+        encode_documents(None, ["never read"], max_tokens=-5)
+
+
+def test_dataset_texts_checks_its_arguments_at_the_call(tmp_path):
+    # no iteration: the errors come before a caller would load a model
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="has no text to score"):
+        dataset_texts(None, empty)
+    with pytest.raises(ValueError, match="valid: zoo-heldout"):
+        dataset_texts("bogus", None)
+    with pytest.raises(ValueError, match="exactly one"):
+        dataset_texts("zoo-heldout", empty)
+    sample = tmp_path / "sample.txt"
+    sample.write_text("x = 1\n")
+    assert list(dataset_texts(None, sample)) == ["x = 1\n"]
+
+
+def test_cli_refuses_a_stream_too_short_to_score():
+    class BareTok(Tok):
+        bos_token_id = eos_token_id = None
+
+    with pytest.raises(click.ClickException, match="one.txt gives 1 token"):
+        _encode(BareTok(), ["x"], None, "one.txt")
+    assert _encode(Tok(), ["x"], None, "one.txt").tolist() == [1, 120, 2]
 
 
 def test_ppl_command_on_a_zoo_model(tmp_path):
