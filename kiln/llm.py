@@ -10,6 +10,7 @@ from kiln.engine.inputs import PromptLike, normalize_prompts
 from kiln.engine.llm_engine import LLMEngine
 from kiln.outputs import RequestOutput
 from kiln.sampling.params import SamplingParams
+from kiln.zoo import DEFAULT_MODEL
 
 
 class LLM:
@@ -19,7 +20,7 @@ class LLM:
     ``num_kv_blocks`` ...), the same as the CLI's dashed flags.
     """
 
-    def __init__(self, model: str = "kiln-tiny", dtype: str = "auto", device: str = "auto",
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                  **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, dtype=dtype, device=device,
                                                          **engine_options))

@@ -16,8 +16,7 @@ from click.core import ParameterSource
 
 from kiln.bench.workload import DATASET_NAMES, WorkloadSpec
 from kiln.cli_options import engine_options
-
-DEFAULT_MODEL = "kiln-tiny"
+from kiln.zoo import DEFAULT_MODEL
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:

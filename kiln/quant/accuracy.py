@@ -19,6 +19,7 @@ from typing import Any
 import click
 
 from kiln.quant.config import QuantConfig
+from kiln.zoo import DEFAULT_MODEL
 
 ROWS: list[dict[str, Any]] = [
     dict(method="rtn", bits=8, group_size=-1),
@@ -38,7 +39,7 @@ ROWS: list[dict[str, Any]] = [
 ]
 
 
-def accuracy_table(model: str = "kiln-tiny", max_tokens: int = 4096, window: int | None = 512,
+def accuracy_table(model: str = DEFAULT_MODEL, max_tokens: int = 4096, window: int | None = 512,
                    stride: int | None = 384, calibration: str = "zoo-train",
                    num_samples: int = 64, seq_len: int = 256,
                    device: str = "cpu", rows: list[dict[str, Any]] | None = None,
@@ -93,7 +94,7 @@ def markdown(rows: list[dict[str, Any]], header: bool = True) -> str:
 
 
 @click.command()
-@click.option("--model", default="kiln-tiny", show_default=True)
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option("--max-tokens", type=int, default=4096, show_default=True)
 @click.option("--window", type=int, default=512, show_default=True)
 @click.option("--stride", type=int, default=384, show_default=True)
