@@ -11,9 +11,12 @@ directory.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from collections import defaultdict
 from pathlib import Path
+from types import TracebackType
 
 import torch
 from safetensors import safe_open
@@ -31,6 +34,17 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "chat_template.jinja", "added_tokens.json")
 
 
+def process_umask() -> int:
+    """The process umask, e.g. 0o022.
+
+    POSIX has no call that only reads it: ``os.umask`` sets a new mask and returns the old one,
+    so set one and put the old one straight back.
+    """
+    mask = os.umask(0o077)  # not 0: a file another thread creates meanwhile stays private
+    os.umask(mask)
+    return mask
+
+
 def save_quantized(model: nn.Module, cfg: QuantConfig, out_dir: str | Path,
                    source_dir: str | Path | None = None) -> Path:
     """Write ``model`` (quantized in place) to ``out_dir``; copies config/tokenizer files."""
@@ -40,13 +54,74 @@ def save_quantized(model: nn.Module, cfg: QuantConfig, out_dir: str | Path,
     # a tied dense head is the embedding's tensor: saved once (a quantized one has no .weight)
     state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()
              if not (tied and name == "lm_head.weight")}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = out / "model.safetensors"
+    save_file(state, str(weights), metadata={"format": "pt"})
+    # save_file creates the file 0600; the checkpoint must load for other users and service
+    # accounts like its other files, which follow the umask
+    os.chmod(weights, 0o666 & ~process_umask())
     if source_dir is not None:
         for name in COPIED_FILES:
             if (Path(source_dir) / name).is_file():
                 shutil.copy2(Path(source_dir) / name, out / name)
     (out / CONFIG_FILE).write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
     return out
+
+
+class StagedDir:
+    """Build a directory under a hidden name beside ``out_dir``; it becomes ``out_dir`` whole.
+
+    Creating it (with any missing parents of ``out_dir``) is the constructor's first act, so an
+    unwritable location fails with an ``OSError`` before any work. Used as a context manager it
+    yields the staging path: on success that replaces ``out_dir`` (an existing one, empty or not,
+    is removed, so none of its files mix with the new ones); on an exception or an interrupt
+    it is removed, with the parents it created, and ``out_dir`` is left as it was.
+    """
+
+    def __init__(self, out_dir: str | Path) -> None:
+        # resolved: '--out .' has a name and a parent to stage beside; a symlink's target is
+        # what gets replaced, the link stays
+        self.out = Path(out_dir).resolve()
+        missing = [p for p in self.out.parents if not p.exists()]
+        self.created = missing[-1] if missing else None  # the topmost parent this makes
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".partial",
+                                              dir=self.out.parent))
+            # mkdtemp makes it 0700: the checkpoint must be readable as the umask allows
+            os.chmod(self.path, 0o777 & ~process_umask())
+        except BaseException:
+            self._remove_created()
+            raise
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if exc_type is None:
+                self._commit()
+        finally:
+            if self.path.exists():  # the work or the commit failed: leave nothing behind
+                shutil.rmtree(self.path, ignore_errors=True)
+                self._remove_created()
+
+    def _commit(self) -> None:
+        if not self.out.exists():
+            self.path.rename(self.out)
+            return
+        old = self.path.with_suffix(".old")  # a name of this run's own
+        self.out.rename(old)
+        try:
+            self.path.rename(self.out)
+        except BaseException:
+            old.rename(self.out)  # the previous contents stay where they were
+            raise
+        shutil.rmtree(old)
+
+    def _remove_created(self) -> None:
+        if self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
 
 
 def read_quant_config(path: str | Path) -> QuantConfig | None:

@@ -12,16 +12,6 @@ from kiln.quant import QuantConfig, calibration_ids, quantize_model, save_quanti
 from kiln.quant.cli import quantize_cmd
 from kiln.quant.config import CONFIG_FILE
 
-TEXT = ("import os\n\ndef walk(top):\n    for name in os.listdir(top):\n        yield name\n"
-        "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n") * 20
-
-
-@pytest.fixture(scope="module")
-def calib_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_text(TEXT)
-    return path
-
 
 def logits(loaded, seed=0):
     ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(seed))
