@@ -47,8 +47,16 @@ log = logging.getLogger("kiln.serve")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 ROUTES = ("/health", "/version", "/metrics", "/v1/models", "/v1/completions",
           "/v1/chat/completions", "/tokenize", "/detokenize")
+MODEL_ROUTE = "/v1/models/{model}"  # one label for every model id
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 503)}
+
+
+def _endpoint_label(path: str) -> str:
+    """The metrics label of a path: a route's, or "other" (label values must stay few)."""
+    if path in ROUTES:
+        return path
+    return MODEL_ROUTE if path.startswith("/v1/models/") else "other"
 
 
 class _Gate:
@@ -85,8 +93,7 @@ class _Gate:
             # uvicorn cancels what outlives the shutdown grace period; one line, no traceback
             log.warning("%s cut off: the shutdown grace period ran out", path)
         finally:
-            endpoint = path if path in ROUTES else "other"  # bounded label values
-            self.state.metrics.http_requests.labels(endpoint, str(status)).inc()
+            self.state.metrics.http_requests.labels(_endpoint_label(path), str(status)).inc()
 
     def _authorized(self, scope: Scope) -> bool:
         if not self.state.keys.enabled:
@@ -163,11 +170,20 @@ def create_app(engine: AsyncEngine | None = None,
     async def metrics() -> Response:
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    def model_card(name: str) -> ModelCard:
+        max_len = state.engine.max_model_len if state.engine is not None else None
+        return ModelCard(id=name, created=state.created, root=state.model_path,
+                         max_model_len=max_len)
+
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> ModelList:
-        max_len = state.engine.max_model_len if state.engine is not None else None
-        return ModelList(data=[ModelCard(id=n, root=state.model_path, max_model_len=max_len)
-                               for n in state.served_model_names])
+        return ModelList(data=[model_card(n) for n in state.served_model_names])
+
+    # :path, as served names may hold slashes (hub ids, directories); clients send them as %2F
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)
+    async def retrieve_model(model: str) -> ModelCard:
+        state.check_model(model)
+        return model_card(model)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Any:

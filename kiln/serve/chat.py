@@ -67,8 +67,9 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage],
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
-        # The template writes any BOS itself; encoding must not add a second one.
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        # The template writes any BOS itself; encoding must not add a second one. (verbose=False:
+        # the length is checked against max_model_len with a 400, not transformers' warning.)
+        ids = list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
     except Exception as exc:  # noqa: BLE001 - templates are model code that may raise anything
         raise APIError(400, f"the chat template rejected these messages: {exc}",
                        param="messages") from None
@@ -102,12 +103,19 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise APIError(400, "only response_format type 'text' is supported",
                        param="response_format")
+    # Rejected as OpenAI does, since it would be ignored silently; 0 asks for nothing, so it
+    # passes without logprobs, as in vLLM.
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, f"top_logprobs requires logprobs=true, got top_logprobs="
+                            f"{body.top_logprobs} without it; set logprobs to true or drop "
+                            f"top_logprobs", param="top_logprobs")
     prompt = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
     requested = (body.max_completion_tokens if body.max_completion_tokens is not None
                  else body.max_tokens)
     max_tokens = resolve_max_tokens(len(prompt), requested, engine.max_model_len)
     num_top = body.top_logprobs or 0
-    params = sampling_params(body, max_tokens, num_top if body.logprobs else None)
+    params = sampling_params(body, max_tokens, num_top if body.logprobs else None,
+                             logprobs_field="top_logprobs")
     state.check_queue(engine)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created, tokenizer = int(time.time()), engine.tokenizer

@@ -8,8 +8,10 @@ finish, the rest are aborted, and the process exits 0.
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 from types import FrameType
@@ -21,6 +23,7 @@ import uvicorn
 from kiln.cli_options import engine_options
 from kiln.serve.auth import API_KEY_ENV, load_api_keys
 from kiln.serve.state import ServerState
+from kiln.zoo import DEFAULT_MODEL
 
 log = logging.getLogger("kiln.serve")
 
@@ -42,6 +45,51 @@ class KilnServer(uvicorn.Server):
             self.should_exit = True
 
 
+# What to change when listening fails with these errors
+_BIND_HINTS = {
+    errno.EADDRINUSE: "pass another --port, or stop the process that holds this one",
+    errno.EADDRNOTAVAIL: "pass an address of this machine as --host (0.0.0.0 for every "
+                         "interface)",
+    errno.EACCES: "pass a --port above 1023 (lower ports need privileges)",
+}
+_HOST_HINT = "pass a valid --host (an IP address, or a name this machine resolves)"
+BACKLOG = 2048  # uvicorn's default
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` resolves to, as uvicorn would open them.
+
+    Binding here, before uvicorn and the engine start, turns a bad host or a busy port into one
+    clear error: uvicorn would log the bare OSError and sys.exit() while the engine still loads
+    on its thread, and tearing down the interpreter under that thread aborts the process.
+    """
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):  # unique, in order
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            # a restart must not wait for the last run's connections to leave TIME_WAIT
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # the IPv4 address, if any, gets its own socket
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(BACKLOG)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        hint = (_HOST_HINT if isinstance(exc, socket.gaierror)  # the name did not resolve
+                else _BIND_HINTS.get(exc.errno or 0))
+        message = f"cannot listen on {_address(host, port)}: {exc.strerror or exc}"
+        raise click.ClickException(f"{message}; {hint}" if hint else message) from None
+    return sockets
+
+
 def _read_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
@@ -50,7 +98,7 @@ def _read_chat_template(value: str | None) -> str | None:
 
 
 @click.command("serve")
-@click.option("--model", default="kiln-tiny", show_default=True,
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help="checkpoint directory, Hugging Face hub id, or zoo name")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="address to bind (0.0.0.0 for every interface)")
@@ -82,6 +130,7 @@ def serve_command(model: str, host: str, port: int, api_keys: tuple[str, ...],
         template = _read_chat_template(chat_template)
     except (ValueError, TypeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
+    sockets = _listen(host, port)
     failed: list[BaseException] = []
     server: KilnServer | None = None
 
@@ -96,13 +145,13 @@ def serve_command(model: str, host: str, port: int, api_keys: tuple[str, ...],
                      model_path=model, chat_template=template,
                      on_startup_error=on_startup_error)
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=level,
-                               access_log=access_log, timeout_graceful_shutdown=shutdown_timeout,
-                               lifespan="on")
+    uv_config = uvicorn.Config(app, log_level=level, access_log=access_log,
+                               timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
     server = KilnServer(uv_config, app.state.kiln)
-    click.echo(f"kiln serve: loading {model}; listening on http://{host}:{port} "
+    bound = _address(host, sockets[0].getsockname()[1])  # the port the OS chose for --port 0
+    click.echo(f"kiln serve: loading {model}; listening on http://{bound} "
                f"(GET /health answers 200 once the model is ready)", err=True)
-    server.run()
+    server.run(sockets=sockets)
     if failed:
         raise click.ClickException(f"the engine failed to start: {failed[0]}")
     sys.stdout.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -54,15 +55,47 @@ def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSON
                         status_code=err.status, headers=headers)
 
 
-def bad_request(exc: Exception) -> APIError:
-    """A ValueError/TypeError from validation -> 400, naming the field when the text does."""
+def bad_request(exc: Exception, request_fields: Mapping[str, str] | None = None) -> APIError:
+    """A ValueError/TypeError from validation -> 400, naming the field when the text does.
+
+    ``request_fields`` maps SamplingParams fields to the request fields that set them where
+    the names differ (chat's top_logprobs sets logprobs), so the client hears its own name.
+    """
     message = str(exc)
     match = _SAMPLING_FIELD.match(message)
     param = None
     if match:  # "SamplingParams.top_p must be ..." -> "top_p must be ...", param top_p
-        param = match.group(1)
-        message = message[len("SamplingParams."):]
+        param = (request_fields or {}).get(match.group(1), match.group(1))
+        message = param + message[match.end():]
     return APIError(400, message, param=param)
+
+
+_JSON_KINDS: dict[type, str] = {list: "an array", str: "a string", bool: "a boolean",
+                                 int: "a number", float: "a number", type(None): "null"}
+
+
+def _body_problem(error: dict[str, Any], body: Any) -> str | None:
+    """The message for a validation error about the body as a whole, or None for a field's.
+
+    FastAPI reports these in its own terms ("JSON decode error" at a character offset, "Field
+    required" for an empty body); clients need to hear what to send instead.
+    """
+    kind, loc = error.get("type"), tuple(error.get("loc", ()))
+    if kind == "json_invalid":  # loc is ("body", offset) and body the decoded text
+        decoded = json.JSONDecodeError(error.get("ctx", {}).get("error", "invalid JSON"),
+                                       body if isinstance(body, str) else "", loc[-1])
+        return (f"request body is not valid JSON: {decoded.msg} "
+                f"(line {decoded.lineno} column {decoded.colno})")
+    if loc != ("body",):
+        return None
+    if kind == "missing":
+        return "request body is empty: send a JSON object"
+    value = error.get("input")
+    if isinstance(value, bytes):  # FastAPI parses JSON only under a JSON content type
+        return ("request body must be a JSON object, sent with 'Content-Type: "
+                "application/json'")
+    sent = _JSON_KINDS.get(type(value), type(value).__name__)
+    return f"request body must be a JSON object, not {sent}"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -75,6 +108,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
+        message = _body_problem(first, exc.body)
+        if message is not None:
+            return error_response(APIError(400, message))
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         detail = first.get("msg", "invalid request")

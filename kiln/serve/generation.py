@@ -54,8 +54,12 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model
     return max_tokens
 
 
-def sampling_params(body: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """SamplingParams from the fields both endpoints share; bad values -> 400 naming the field."""
+def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
+                    logprobs_field: str = "logprobs") -> SamplingParams:
+    """SamplingParams from the fields both endpoints share; bad values -> 400 naming the field.
+
+    ``logprobs_field`` is the request field that gave ``logprobs`` (chat's top_logprobs).
+    """
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     stop = body.stop
@@ -77,7 +81,7 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None) -> Samplin
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output)
     except (ValueError, TypeError) as exc:
-        raise bad_request(exc) from None
+        raise bad_request(exc, {"logprobs": logprobs_field}) from None
 
 
 def usage_of(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:

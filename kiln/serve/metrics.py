@@ -2,8 +2,8 @@
 
 Dashboards built for vLLM work after renaming the prefix. Two sources:
 
-* per-request histograms and finish counts, observed by the server when a request ends (from
-  the engine's ``RequestMetrics`` timestamps);
+* per-request histograms and per-sample finish counts, observed by the server when a request
+  ends (from the engine's ``RequestMetrics`` timestamps);
 * engine gauges and counters, read from the engine at scrape time by a custom collector, so
   they are never stale and cost nothing between scrapes.
 
@@ -91,9 +91,12 @@ class ServerMetrics:
         def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(metric, doc, name, buckets=buckets, registry=reg).labels(model_name)
 
+        # Per sample, as vLLM counts its request_success (one per finished sequence); the
+        # histograms below observe each prompt's engine request once, whatever its n.
         self.request_success = Counter(
-            "kiln:request_success", "Finished samples, by finish reason (stop, length, abort, "
-            "error).", ["model_name", "finished_reason"], registry=reg)
+            "kiln:request_success", "Finished samples by finish reason (stop, length, abort, "
+            "error): one per choice, so n=3 adds 3 here and 1 to the per-request histograms.",
+            ["model_name", "finished_reason"], registry=reg)
         self.http_requests = Counter(
             "kiln:http_requests", "HTTP responses by endpoint and status code.",
             ["endpoint", "status"], registry=reg)

@@ -5,6 +5,7 @@ One ``ServerState`` per app, stored on ``app.state.kiln``; nothing lives in modu
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ class ServerState:
     engine: AsyncEngine | None = None
     startup_error: str | None = None
     draining: bool = False
+    # the model cards' "created": fixed, so every listing and lookup returns the same object
+    created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
 

@@ -133,3 +133,22 @@ def test_bad_flags_fail_before_binding(long_context_llama):
     assert result.exit_code != 0
     assert "max_num_seqs" in result.output
     assert health(f"http://127.0.0.1:{port}") == 0  # never listened
+
+
+@pytest.mark.parametrize("host, hint", [
+    ("127.0.0.1", "Address already in use; pass another --port"),
+    ("999.1.1.1", "; pass a valid --host")])
+def test_a_bind_failure_is_one_clear_error_and_a_clean_exit(tiny_llama, host, hint):
+    # The port is held by a listening socket, so binding 127.0.0.1 fails; 999.1.1.1 never
+    # resolves. Either way the process must not claim to listen, nor abort (SIGABRT, 134).
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kiln.cli", "serve", "--model", str(tiny_llama),
+             "--device", "cpu", "--host", host, "--port", str(port)],
+            cwd=REPO, capture_output=True, text=True, timeout=60)
+    (line,) = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 1, line
+    assert line.startswith(f"Error: cannot listen on {host}:{port}: ") and hint in line, line

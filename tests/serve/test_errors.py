@@ -78,10 +78,23 @@ def test_bad_prompts_and_unsupported_options_are_400(http, body):
     assert_openai_error(response, 400)
 
 
-def test_malformed_json_and_wrong_methods(http):
-    response = http.post("/v1/completions", content=b"{not json",
-                         headers={"content-type": "application/json"})
-    assert_openai_error(response, 400)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("body, content_type, says", [
+    (b'{"prompt": "hi",\n "max_tokens": ', "application/json",
+     "request body is not valid JSON: Expecting value (line 2 column 16)"),
+    (b"", "application/json", "request body is empty: send a JSON object"),
+    (b"", None, "request body is empty: send a JSON object"),
+    (b'{"prompt": "hi"}', "text/plain",
+     "request body must be a JSON object, sent with 'Content-Type: application/json'"),
+    (b'["hi"]', "application/json", "request body must be a JSON object, not an array"),
+    (b"null", "application/json", "request body must be a JSON object, not null")])
+def test_malformed_bodies_say_what_to_send(http, path, body, content_type, says):
+    headers = {"content-type": content_type} if content_type else {}
+    error = assert_openai_error(http.post(path, content=body, headers=headers), 400)
+    assert error["message"] == says and error["param"] is None, error
+
+
+def test_wrong_methods_and_paths(http):
     assert_openai_error(http.get("/v1/completions"), 405)
     assert_openai_error(http.get("/v1/nothing-here"), 404)
 

@@ -75,6 +75,19 @@ def test_counters_move_as_requests_complete(server, engine):
     assert after[("kiln:kv_cache_usage_perc", ())] == 0.0
 
 
+def test_request_success_counts_choices_and_says_so(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True, "n": 3}
+    before = scrape(server.url)
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    after = scrape(server.url)
+    assert delta(before, after, "kiln:request_success_total", finished_reason="length") == 3
+    assert delta(before, after, "kiln:e2e_request_latency_seconds_count") == 1
+    text = httpx.get(server.url + "/metrics").text
+    (family,) = [f for f in text_string_to_metric_families(text)
+                 if f.name == "kiln:request_success"]
+    assert "one per choice" in family.documentation
+
+
 async def test_preemptions_are_counted(tiny_llama):
     # 32 blocks hold exactly one 512-token request: eight 200-token requests must preempt
     engine = AsyncEngine.from_kwargs(str(tiny_llama), dtype="float32", device="cpu",

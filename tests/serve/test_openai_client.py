@@ -39,6 +39,17 @@ def test_models_lists_the_served_name(client, engine):
     assert card.id == MODEL and card.model_extra["max_model_len"] == engine.max_model_len
 
 
+def test_models_retrieve_is_the_listed_card(client):
+    (listed,) = client.models.list().data
+    assert client.models.retrieve(MODEL) == listed
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("org/gpt-4")  # the client sends the slash as %2F
+    error = caught.value.body
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "'org/gpt-4'" in error["message"]
+    assert f"this server serves '{MODEL}'" in error["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_sync_completion_matches_llm(client, reference_llm, engine, stream):
     (want,) = expected(reference_llm, "The quick brown fox")
@@ -171,3 +182,14 @@ def test_vllm_benchmark_extensions_are_honoured(client):
         top_p=0.9, user="someone")
     assert result.usage.completion_tokens == 7
     assert result.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs must be None or an integer in [0, 20]"),
+    ({"top_logprobs": 3}, "top_logprobs requires logprobs=true")])
+def test_bad_top_logprobs_is_a_400_naming_it(client, engine, options, says):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **options)
+    error = caught.value.body
+    assert error["param"] == "top_logprobs" and says in error["message"], error
+    assert_idle(engine)
