@@ -147,6 +147,8 @@ def serve_command(model: str, host: str, port: int, api_keys: tuple[str, ...],
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     uv_config = uvicorn.Config(app, log_level=level, access_log=access_log,
                                timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+    if access_log:  # uvicorn gives its access logger --log-level (warning): its lines are info
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = KilnServer(uv_config, app.state.kiln)
     bound = _address(host, sockets[0].getsockname()[1])  # the port the OS chose for --port 0
     click.echo(f"kiln serve: loading {model}; listening on http://{bound} "

@@ -152,3 +152,28 @@ def test_a_bind_failure_is_one_clear_error_and_a_clean_exit(tiny_llama, host, hi
     (line,) = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 1, line
     assert line.startswith(f"Error: cannot listen on {host}:{port}: ") and hint in line, line
+
+
+@pytest.mark.parametrize("flag, logged", [("--access-log", True), ("--no-access-log", False)])
+def test_access_log_follows_its_flag_at_the_default_log_level(tiny_llama, tmp_path, flag, logged):
+    """--access-log (the default) prints one line per request even at --log-level warning,
+    whose level uvicorn would give its access logger."""
+    port, log_path = free_port(), tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kiln.cli", "serve", "--model", str(tiny_llama), "--device",
+             "cpu", "--port", str(port), flag],
+            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: health(url) == 200 or process.poll() is not None, timeout=90,
+                          interval=0.2), log_path.read_text()[-2000:]
+        assert httpx.get(url + "/v1/models").status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, log_path.read_text()[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert ('"GET /v1/models HTTP/1.1" 200' in log_path.read_text()) == logged
