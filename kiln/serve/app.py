@@ -116,7 +116,8 @@ def _start_loading(state: ServerState, factory: Callable[[], AsyncEngine],
             if on_error is not None:
                 on_error(exc)
 
-    threading.Thread(target=load, name="kiln-engine-load", daemon=True).start()
+    state.loader = threading.Thread(target=load, name="kiln-engine-load", daemon=True)
+    state.loader.start()
 
 
 def create_app(engine: AsyncEngine | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import signal
 import socket
 import sys
@@ -156,4 +157,12 @@ def serve_command(model: str, host: str, port: int, api_keys: tuple[str, ...],
     server.run(sockets=sockets)
     if failed:
         raise click.ClickException(f"the engine failed to start: {failed[0]}")
+    loader = app.state.kiln.loader
+    if loader is not None and loader.is_alive():
+        # stopped (SIGTERM) while the model loads: nothing to drain, and tearing the interpreter
+        # down under the loading thread aborts the process ("terminate called ...", SIGABRT)
+        click.echo("kiln serve: stopped while the model was loading", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     sys.stdout.flush()

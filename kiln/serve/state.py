@@ -5,6 +5,7 @@ One ``ServerState`` per app, stored on ``app.state.kiln``; nothing lives in modu
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ class ServerState:
     chat_template: str | None = None
     engine: AsyncEngine | None = None
     startup_error: str | None = None
+    loader: threading.Thread | None = None  # the thread building the engine (engine_factory)
     draining: bool = False
     # the model cards' "created": fixed, so every listing and lookup returns the same object
     created: int = field(default_factory=lambda: int(time.time()))

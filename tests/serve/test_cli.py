@@ -177,3 +177,27 @@ def test_access_log_follows_its_flag_at_the_default_log_level(tiny_llama, tmp_pa
             process.kill()
             process.wait()
     assert ('"GET /v1/models HTTP/1.1" 200' in log_path.read_text()) == logged
+
+
+def test_sigterm_while_the_model_loads_exits_0_at_once():
+    """Nothing to drain yet: the process says so and exits 0 without waiting for the load (its
+    interpreter torn down under the loading thread had aborted: "terminate called", 134)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli", "serve", "--model", "kiln-tiny", "--device", "cpu",
+         "--port", str(port)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "listening on" in process.stdout.readline()
+        # serving (its signal handlers in place) while the model loads
+        assert wait_until(lambda: health(f"http://127.0.0.1:{port}") == 503, timeout=30,
+                          interval=0.02)
+        process.send_signal(signal.SIGTERM)
+        rest = process.stdout.read()
+        assert process.wait(timeout=30) == 0, rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "kiln serve: stopped while the model was loading" in rest, rest
+    assert "terminate called" not in rest and "Traceback" not in rest, rest
