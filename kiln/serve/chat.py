@@ -39,6 +39,9 @@ from kiln.serve.streaming import SSEResponse, event_stream
 def _content_text(message: ChatMessage, index: int) -> str:
     content = message.content
     if content is None:
+        if message.role != "assistant":  # (only an assistant turn may come without text)
+            raise APIError(400, f"messages.{index}.content is required for a {message.role} "
+                                f"message", param=f"messages.{index}.content")
         return ""
     if isinstance(content, str):
         return check_text(content, f"messages.{index}.content")

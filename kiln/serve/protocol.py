@@ -11,10 +11,19 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def _not_bool(value: Any) -> Any:
+    # pydantic reads JSON true as 1 where an int is due: "max_tokens": true is a client bug
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool), Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenIds = list[Int]
 
 

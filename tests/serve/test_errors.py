@@ -38,7 +38,8 @@ def completion(http, **body):
     ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("n", 0), ("max_tokens", 0),
     ("logprobs", 21), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("min_p", 2.0),
     ("top_k", -2), ("min_tokens", 5), ("stop", [""]), ("stop_token_ids", [10**6]),
-    ("max_tokens", "many"), ("n", 10**30), ("seed", 1.5)])
+    ("max_tokens", "many"), ("n", 10**30), ("seed", 1.5), ("max_tokens", True),
+    ("n", False)])
 def test_invalid_parameter_is_400_naming_it(http, engine, field, value):
     error = assert_openai_error(completion(http, **{field: value}), 400)
     assert error["type"] == "invalid_request_error"
@@ -119,6 +120,17 @@ def test_chat_rejects_empty_messages_and_image_parts(http):
     for messages in ([], [{"role": "user", "content": [{"type": "image_url"}]}]):
         response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
         assert_openai_error(response, 400)
+
+
+def test_chat_needs_content_but_in_an_assistant_turn(http):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user"}]
+    error = assert_openai_error(http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_tokens": 2}), 400)
+    assert error["param"] == "messages.1.content" and "user message" in error["message"], error
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant"},
+                {"role": "user", "content": "again"}]
+    assert http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_tokens": 2}).status_code == 200
 
 
 def test_api_keys_401_without_or_with_a_wrong_key(engine):
