@@ -72,12 +72,15 @@ def _listen(host: str, port: int) -> list[socket.socket]:
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in dict.fromkeys(infos):  # unique, in order
+        infos = list(dict.fromkeys(infos))  # unique, in order
+        has_ipv4 = any(info[0] == socket.AF_INET for info in infos)
+        for family, kind, proto, _, address in infos:
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             # a restart must not wait for the last run's connections to leave TIME_WAIT
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # the IPv4 address, if any, gets its own socket
+            if family == socket.AF_INET6 and has_ipv4:  # the IPv4 address has its own socket;
+                # alone (--host ::) the IPv6 socket stays dual-stack, as uvicorn's
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
             sock.listen(BACKLOG)

@@ -201,3 +201,18 @@ def test_sigterm_while_the_model_loads_exits_0_at_once():
             process.wait()
     assert "kiln serve: stopped while the model was loading" in rest, rest
     assert "terminate called" not in rest and "Traceback" not in rest, rest
+
+
+def test_listen_on_the_ipv6_wildcard_stays_dual_stack():
+    """--host :: resolves to one IPv6 address: its socket must take IPv4 clients too (as
+    uvicorn's does); IPv6-only is only for the IPv6 socket beside an IPv4 one."""
+    from kiln.serve.cli import _listen
+
+    (sock,) = _listen("::", 0)
+    try:
+        assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+        port = sock.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        sock.close()
