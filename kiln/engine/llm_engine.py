@@ -207,7 +207,9 @@ class LLMEngine:
                 # token_ids copies the list: skip the steps that complete no block
                 self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, end)
 
-    def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+    def _update(self, out: SchedulerOutput, result: StepResult,
+                now: float | None = None) -> list[RequestOutput]:
+        """Apply a finished step; ``now``: when its tokens reached the host (default: now)."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         for item, first, lps in result.prompt_logprobs:
@@ -216,7 +218,7 @@ class LLMEngine:
                 lps, ids, item.request.params.prompt_logprobs)[1:]
         apply_sampler_output(result.seqs, result.token_ids, result.logprobs)
         self.stats.generation_tokens += len(result.seqs)
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         sampled = {r.request_id: r for r in result.requests}  # in order, each once
         outputs = []
         for request in sampled.values():

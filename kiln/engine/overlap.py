@@ -32,6 +32,7 @@ samples, and KV blocks running out (preemption).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,8 @@ class InFlightStep:
     result: StepResult
     host_token_ids: torch.Tensor  # [rows] int64; on CUDA a pinned copy, valid once `done` fired
     done: torch.cuda.Event | None
+    # off CUDA the step ran inside execute(): when its tokens were there (time.monotonic)
+    finished_at: float | None = None
 
     @classmethod
     def launch(cls, out: SchedulerOutput, result: StepResult) -> InFlightStep:
@@ -59,17 +62,21 @@ class InFlightStep:
         that waiting for them later does not also wait for a step launched after it."""
         ids = result.token_ids
         if ids.device.type != "cuda":
-            return cls(out, result, ids, None)
+            return cls(out, result, ids, None, time.monotonic())
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
         host.copy_(ids, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         return cls(out, result, host, done)
 
-    def wait(self) -> tuple[SchedulerOutput, StepResult]:
-        """The step once finished, without the rows of sequences that stopped meanwhile."""
+    def wait(self) -> tuple[SchedulerOutput, StepResult, float]:
+        """The step once finished, without the rows of sequences that stopped meanwhile, and
+        when its tokens reached the host: the token times. (Off CUDA the step after it has run
+        too by now, inside its execute(): the time of this call would give each token the next
+        step's finish, and the last one a gap of ~0.)"""
         if self.done is not None:
             self.done.synchronize()
+        finished_at = time.monotonic() if self.finished_at is None else self.finished_at
         result = self.result
         live = [row for row, seq in enumerate(result.seqs) if not seq.finished]
         ids = self.host_token_ids
@@ -78,7 +85,7 @@ class InFlightStep:
         out = SchedulerOutput(scheduled=[item for item in self.out.scheduled
                                          if not item.seq.finished])
         return out, StepResult([result.seqs[r] for r in live],
-                               [result.requests[r] for r in live], ids, None, [])
+                               [result.requests[r] for r in live], ids, None, []), finished_at
 
 
 def _chains(seq: Sequence, request: Request) -> bool:

@@ -5,7 +5,9 @@ later, and a row's float32 math varies in the last bits with the rows batched be
 
 from __future__ import annotations
 
+import itertools
 import random
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -302,3 +304,28 @@ def test_a_chained_step_runs_no_device_op_the_engine_did_not_run_at_start_up(tin
     ran = {op for op, _ in in_chain.ops}
     assert {"aten.index.Tensor", "aten.cat.default"} <= ran, ran  # the workload reached both
     assert in_chain.ops <= at_start_up.ops, in_chain.ops - at_start_up.ops
+
+
+def test_token_times_are_when_each_step_finished(tiny_llama, chained, monkeypatch):
+    """Off CUDA a chained step runs inside its launch, before the host applies the step before
+    it: timing a token when it is applied gave it the next step's finish, and the last token a
+    gap of ~0 (a benchmark's TPOT and decode tok/s then came out high). Every step here takes
+    at least STEP_S, so every gap between tokens must too."""
+    step_s = 0.02
+    engine = make_engine(tiny_llama, async_scheduling=True)
+    execute = engine.runner.execute
+
+    def slow_execute(*args, **kwargs):
+        result = execute(*args, **kwargs)
+        time.sleep(step_s)
+        return result
+
+    monkeypatch.setattr(engine.runner, "execute", slow_execute)
+    engine.add_request("r", [5, 6, 7], kiln.SamplingParams(max_tokens=8, ignore_eos=True))
+    (done,) = engine.run_to_completion()
+    assert chained  # the chained path ran
+    times = done.metrics.token_times
+    assert len(times) == 8
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= 0.9 * step_s, gaps
+    assert done.metrics.finished_time == times[-1]
