@@ -52,12 +52,23 @@ def greedy_params(output_len: int) -> SamplingParams:
 
 def run_requests(llm: LLM, requests: list[BenchRequest], progress: Progress | None = None,
                  description: str = "requests") -> list[RequestOutput]:
-    """Submit every request at once, step to completion; outputs in request order."""
+    """Submit every request at once, step to completion; outputs in request order. A request
+    that cannot run to its full output length within max_model_len is an error before any is
+    submitted: it would stop short, and the figures cover fewer tokens than they say."""
     engine = llm.engine
-    request_ids = []
-    for r in requests:
-        request_ids.append(f"bench-{next(_ids)}")
-        engine.add_request(request_ids[-1], r.prompt, greedy_params(r.output_len))
+    made = [engine.make_request(f"bench-{next(_ids)}", r.prompt, greedy_params(r.output_len))
+            for r in requests]
+    for request, r in zip(made, requests, strict=True):
+        needed = len(request.prompt_token_ids) + r.output_len
+        if needed > engine.max_model_len:
+            raise ValueError(
+                f"a request of {len(request.prompt_token_ids)} prompt tokens and {r.output_len} "
+                f"to generate needs {needed} tokens of context, more than max_model_len="
+                f"{engine.max_model_len}: lower --input-len or --output-len (or raise "
+                f"--max-model-len where the model allows)")
+    for request in made:
+        engine.enqueue(request)
+    request_ids = [request.request_id for request in made]
     total = sum(r.output_len for r in requests)
     task = progress.add_task(description, total=total) if progress is not None else None
     finished: dict[str, RequestOutput] = {}

@@ -97,7 +97,8 @@ def _lengths(rng: np.random.Generator, n: int, center: int, ratio: float) -> np.
 def build_requests(spec: WorkloadSpec, vocab_size: int | None = None) -> list[BenchRequest]:
     """The workload's requests; the same spec always gives the same requests."""
     if spec.dataset_name == "jsonl":
-        return load_jsonl(Path(str(spec.dataset_path)), spec.num_prompts, spec.output_len)
+        return load_jsonl(Path(str(spec.dataset_path)), spec.num_prompts, spec.output_len,
+                          vocab_size)
     high = min(spec.token_id_high, vocab_size) if vocab_size else spec.token_id_high
     if high <= spec.token_id_low:
         raise ValueError(f"vocabulary of {vocab_size} leaves no token ids above "
@@ -124,7 +125,7 @@ def derived_requests(spec: WorkloadSpec, vocab_size: int | None, seed_offset: in
     only its own prompts, so it is replayed as is."""
     n = num_prompts or spec.num_prompts
     if spec.dataset_name == "jsonl":
-        reqs = build_requests(dataclasses.replace(spec, num_prompts=n))
+        reqs = build_requests(dataclasses.replace(spec, num_prompts=n), vocab_size)
     else:
         reqs = build_requests(dataclasses.replace(spec, num_prompts=n,
                                                   seed=spec.seed + seed_offset), vocab_size)
@@ -148,8 +149,10 @@ def _parse_line(obj: Any, where: str, default_output_len: int) -> BenchRequest:
     return BenchRequest(list(prompt) if is_ids else prompt, output_len)
 
 
-def load_jsonl(path: Path, num_prompts: int, default_output_len: int) -> list[BenchRequest]:
-    """The first ``num_prompts`` requests of a JSONL file (blank lines skipped)."""
+def load_jsonl(path: Path, num_prompts: int, default_output_len: int,
+               vocab_size: int | None = None) -> list[BenchRequest]:
+    """The first ``num_prompts`` requests of a JSONL file (blank lines skipped); token ids
+    checked against ``vocab_size`` where given (the model's), naming the line."""
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {path} does not exist")
     requests: list[BenchRequest] = []
@@ -163,7 +166,14 @@ def load_jsonl(path: Path, num_prompts: int, default_output_len: int) -> list[Be
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc})") from None
-            requests.append(_parse_line(obj, f"{path}:{lineno}", default_output_len))
+            request = _parse_line(obj, f"{path}:{lineno}", default_output_len)
+            if vocab_size and isinstance(request.prompt, list) and request.prompt \
+                    and max(request.prompt) >= vocab_size:
+                raise ValueError(
+                    f"{path}:{lineno}: token id {max(request.prompt)} is outside the model's "
+                    f"vocabulary of {vocab_size} ids; write the workload for this model with "
+                    f"kiln bench workload --vocab-size {vocab_size}")
+            requests.append(request)
     if len(requests) < num_prompts:
         raise ValueError(f"{path} holds {len(requests)} prompts but --num-prompts asks for "
                          f"{num_prompts}")

@@ -106,3 +106,16 @@ def test_bad_flags_are_clean_errors(tiny_llama):
     res = CliRunner().invoke(main, ["bench", "throughput", "--model", str(tiny_llama),
                                     "--device", "cpu", "--dataset-name", "jsonl"])
     assert res.exit_code != 0 and "dataset-path" in res.output
+
+
+def test_requests_that_would_stop_short_of_their_output_are_refused(tiny_llama, tmp_path):
+    """A prompt and output past max_model_len would stop early and the figures would cover
+    fewer tokens than the case says: refused, with both numbers, and no directory written."""
+    out = tmp_path / "short"
+    res = CliRunner().invoke(main, [
+        "bench", "throughput", "--model", str(tiny_llama), "--device", "cpu", "--dtype",
+        "float32", "--max-model-len", "32", "--num-prompts", "2", "--input-len", "30",
+        "--output-len", "8", "--output-dir", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "30 prompt tokens and 8 to generate needs 38 tokens" in res.output
+    assert "max_model_len=32" in res.output and not out.exists()

@@ -89,3 +89,15 @@ def test_spec_validation_and_canonical_files(tmp_path):
     path.write_text(json.dumps({"num_promts": 3}))
     with pytest.raises(ValueError, match="num_promts"):
         WorkloadSpec.from_file(path)
+
+
+def test_jsonl_token_ids_past_the_vocabulary_name_the_line_and_the_fix(tmp_path):
+    path = tmp_path / "w.jsonl"
+    write_jsonl([BenchRequest([5, 9], 2), BenchRequest([7, 8191, 8192], 2)], path)
+    assert len(load_jsonl(path, 2, 4, vocab_size=8193)) == 2
+    with pytest.raises(ValueError, match=r"w.jsonl:2: token id 8192 is outside the model's "
+                                         r"vocabulary of 8192 ids.*--vocab-size 8192"):
+        load_jsonl(path, 2, 4, vocab_size=8192)
+    spec = WorkloadSpec("jsonl", dataset_path=str(path), num_prompts=2)
+    with pytest.raises(ValueError, match="w.jsonl:2"):
+        build_requests(spec, vocab_size=8192)
