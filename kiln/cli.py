@@ -85,7 +85,7 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
              top_k: int, chat: bool, engine_kwargs: dict[str, Any]) -> None:
     """Generate a continuation of PROMPT and stream it to the terminal.
 
-    --seed seeds both the engine and this request's sampling.
+    --seed also seeds this request's sampling here, so a sampled run repeats.
     """
     from kiln.engine.llm_engine import LLMEngine
     from kiln.sampling.params import SamplingParams
