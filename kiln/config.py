@@ -31,7 +31,9 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 def _check_positive(name: str, value: float | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if value is None or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int | float):  # e.g. "512" from a file
+        raise TypeError(f"{name} must be a number > 0, got {value!r} ({type(value).__name__})")
+    if value <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
 
 

@@ -101,6 +101,14 @@ def test_unknown_engine_option(tiny_llama):
         kiln.LLM(str(tiny_llama), device="cpu", blocksize=16)
 
 
+@pytest.mark.parametrize("value", ["512", True])
+def test_engine_option_of_the_wrong_type_names_itself(tiny_llama, value):
+    """A size read from a file as text (or a flag as a bool) is named, not a bare comparison
+    error from deep inside the engine."""
+    with pytest.raises(TypeError, match=f"max_model_len must be a number > 0, got {value!r}"):
+        kiln.LLM(str(tiny_llama), device="cpu", max_model_len=value)
+
+
 def test_empty_prompt(tiny_llama):
     llm = kiln.LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=64)
     with pytest.raises(ValueError, match="prompt is empty"):
