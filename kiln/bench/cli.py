@@ -96,9 +96,15 @@ def _given_seed(seed: int) -> int | None:
 
 
 def _output_dir(kind: str, output_dir: str | None) -> Path:
+    """Where the run's results go; one that already holds a run's is refused before any work
+    (its plots would stay beside the new result.json, mixing two runs)."""
     from kiln.bench.result import default_output_dir
 
-    return Path(output_dir) if output_dir else default_output_dir(kind)
+    path = Path(output_dir) if output_dir else default_output_dir(kind)
+    if (path / "result.json").exists():
+        raise click.UsageError(f"--output-dir {path} already holds a run's results "
+                               "(result.json); choose another directory or remove that one")
+    return path
 
 
 output_dir_option = click.option("--output-dir", "--result-dir", "output_dir",
@@ -141,7 +147,8 @@ def latency_command(model: str, batch_sizes: list[int], input_lens: list[int],
     cfg = LatencyConfig(model, batch_sizes, input_lens, output_lens, num_iters,
                         num_iters_warmup, None if peer == "none" else peer, peer_num_iters,
                         bandwidth_gbps, engine_kwargs)
-    save_and_print(_guard(run_latency, cfg), _output_dir("latency", output_dir))
+    out = _output_dir("latency", output_dir)  # (checked before the run)
+    save_and_print(_guard(run_latency, cfg), out)
 
 
 @bench_group.command("throughput")
@@ -164,7 +171,8 @@ def throughput_command(model: str, num_warmups: int, peer: str,
     spec = make_spec(engine_kwargs.get("seed"), **workload)
     cfg = ThroughputConfig(model, spec, num_warmups, None if peer == "none" else peer,
                            peer_batch_size, engine_kwargs)
-    save_and_print(_guard(run_throughput, cfg), _output_dir("throughput", output_dir))
+    out = _output_dir("throughput", output_dir)  # (checked before the run)
+    save_and_print(_guard(run_throughput, cfg), out)
 
 
 @bench_group.command("serve")
@@ -209,7 +217,8 @@ def serve_command(base_url: str, endpoint: str, model: str | None,
                           ready_check_timeout_sec, request_timeout_sec, _vocab_size(model))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    save_and_print(_guard(run_serve, cfg), _output_dir("serve", output_dir))
+    out = _output_dir("serve", output_dir)  # (checked before the run)
+    save_and_print(_guard(run_serve, cfg), out)
 
 
 @bench_group.command("workload")

@@ -119,3 +119,12 @@ def test_requests_that_would_stop_short_of_their_output_are_refused(tiny_llama, 
     assert res.exit_code == 1, res.output
     assert "30 prompt tokens and 8 to generate needs 38 tokens" in res.output
     assert "max_model_len=32" in res.output and not out.exists()
+
+
+def test_an_output_dir_holding_a_run_is_refused_before_the_run(tmp_path, monkeypatch):
+    """Its plots would stay beside the new result.json; refused before any model loads."""
+    (tmp_path / "result.json").write_text("{}")
+    monkeypatch.setattr("kiln.bench.throughput.run_throughput",
+                        lambda cfg: pytest.fail("the run started"))
+    res = CliRunner().invoke(main, ["bench", "throughput", "--output-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "already holds a run's results" in res.output, res.output
