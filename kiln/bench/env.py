@@ -12,12 +12,9 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def device_info(device: torch.device | str) -> dict[str, Any]:
@@ -50,32 +47,6 @@ def versions() -> dict[str, str | None]:
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "triton": _version("triton"), "transformers": _version("transformers"),
             "numpy": _version("numpy")}
-
-
-def git_commit(root: Path = REPO_ROOT) -> str | None:
-    """The checked-out commit, read from ``.git`` (no git process); ``KILN_GIT_COMMIT`` wins.
-
-    The GPU machine receives a copy of the tree whose ``.git`` may be missing or stale: set
-    KILN_GIT_COMMIT there.
-    """
-    if os.environ.get("KILN_GIT_COMMIT"):
-        return os.environ["KILN_GIT_COMMIT"]
-    git = root / ".git"
-    try:
-        head = (git / "HEAD").read_text().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head[5:]
-        if (git / ref).is_file():
-            return (git / ref).read_text().strip()
-        packed = git / "packed-refs"
-        if packed.is_file():
-            for line in packed.read_text().splitlines():
-                if line.endswith(" " + ref):
-                    return line.split()[0]
-    except OSError:
-        return None
-    return None
 
 
 def _time_s(fn: Callable[[], Any], device: torch.device, reps: int) -> float:

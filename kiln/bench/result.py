@@ -11,14 +11,13 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kiln.bench.env import device_info, git_commit, versions
+from kiln.bench.env import device_info, versions
+from kiln.provenance import command_line, git_commit
 
 SCHEMA_VERSION = 1
 KINDS = ("latency", "throughput", "serve", "profile")
@@ -28,13 +27,6 @@ def default_output_dir(kind: str) -> Path:
     """out/bench/<kind>-<timestamp> (``out/`` is git-ignored)."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("out") / "bench" / f"{kind}-{stamp}"
-
-
-def command_line() -> str:
-    argv = list(sys.argv)
-    if argv and argv[0].endswith(("cli.py", "__main__.py", "kiln")):
-        argv[0] = "kiln"
-    return shlex.join(argv)
 
 
 def make_result(kind: str, device: torch.device | str | dict[str, Any], config: dict[str, Any],

@@ -175,6 +175,7 @@ eval_app = typer.Typer(
     help="Accuracy: perplexity and model agreement.",
     context_settings={"help_option_names": ["-h", "--help"]},
     rich_markup_mode=None,
+    add_completion=False,
 )
 
 # scoring needs a token and its predecessor: in the stream, and inside every window

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_model, save_model
 
+from kiln.provenance import git_commit
 from kiln.zoo.tokenizer import tokenizer_config
 
 if TYPE_CHECKING:
@@ -169,6 +170,7 @@ def write_final_model(
     summary = {
         "size": cfg.size,
         "command": cfg.command,
+        "git_commit": git_commit(),
         "settings": cfg.fingerprint(),
         "context_len": cfg.preset.context_len,
         "num_params": state.num_params,

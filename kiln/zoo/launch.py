@@ -1,19 +1,17 @@
-"""Start a training run: resolve a time budget into steps and record the command that
-reproduces the run. Free of typer, so a bare machine with only torch and transformers can call
+"""Start a training run: resolve a time budget into steps and record the command line that
+started the run. Free of typer, so a bare machine with only torch and transformers can call
 `run_training` directly."""
 
 from __future__ import annotations
 
-import shlex
 import time
 from collections.abc import Callable
 
 import torch
 
+from kiln.provenance import command_line
 from kiln.zoo.checkpoint import TrainState
 from kiln.zoo.train import (
-    DEFAULT_TOKENIZER_DIR,
-    SIZES,
     TrainConfig,
     autocast,
     build_model,
@@ -48,26 +46,6 @@ def estimate_steps(cfg: TrainConfig, budget_s: float, num_timed: int = 10) -> in
     return max(1, int(budget_s / step_s))
 
 
-def reproducing_command(cfg: TrainConfig) -> str:
-    """The `kiln zoo train` line for `cfg`, with --steps resolved (budgets differ by machine)."""
-    preset = SIZES[cfg.size]
-    args = ["kiln", "zoo", "train", "--size", cfg.size, "--out", str(cfg.out_dir)]
-    args += ["--steps", str(cfg.steps)]
-    if cfg.batch_size != preset.batch_size:
-        args += ["--batch-size", str(cfg.batch_size)]
-    if cfg.lr != preset.lr:
-        args += ["--lr", f"{cfg.lr:g}"]
-    if cfg.seed != 0:
-        args += ["--seed", str(cfg.seed)]
-    if cfg.max_files is not None:
-        args += ["--max-files", str(cfg.max_files)]
-    if cfg.corpus_root is not None:
-        args += ["--corpus-root", str(cfg.corpus_root)]
-    if cfg.tokenizer_dir != DEFAULT_TOKENIZER_DIR:
-        args += ["--tokenizer", str(cfg.tokenizer_dir)]
-    return shlex.join(args)
-
-
 def run_training(
     cfg: TrainConfig, budget_s: float | None = None, log: Callable[[str], None] = print
 ) -> TrainState:
@@ -77,5 +55,7 @@ def run_training(
         cfg.warmup_steps = None
         cfg.__post_init__()  # re-derive the warmup from the new step count
         log(f"budget {budget_s:g}s: {cfg.steps} steps fit")
-    cfg.command = reproducing_command(cfg)
+    # As given, every flag included (bench's result.json records it the same way); a budget's
+    # resolved step count is in training.json's settings.
+    cfg.command = command_line()
     return train(cfg, log=log)

@@ -17,6 +17,10 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 # Order fixes the ids: pad=0, bos=1, eos=2 (LlamaConfig's default bos/eos ids), then roles.
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS)
 DEFAULT_VOCAB_SIZE = 8192
+# The trainer starts from every byte symbol plus the special tokens and only then learns merges:
+# a smaller vocab_size is silently raised to that base, which holds no merge at all.
+NUM_BYTE_SYMBOLS = len(pre_tokenizers.ByteLevel.alphabet())  # 256
+MIN_VOCAB_SIZE = NUM_BYTE_SYMBOLS + len(SPECIAL_TOKENS) + 1
 DEFAULT_MODEL_MAX_LEN = 1024
 
 # Each turn is "<|role|>\n{content}<|eos|>\n"; generation stops at <|eos|>, the model's EOS.
@@ -32,8 +36,18 @@ CHAT_TEMPLATE = (
 )
 
 
+def check_vocab_size(vocab_size: int) -> None:
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab size {vocab_size} leaves no room for a BPE merge: the base vocabulary is "
+            f"{NUM_BYTE_SYMBOLS} byte symbols + {len(SPECIAL_TOKENS)} special tokens; "
+            f"use at least {MIN_VOCAB_SIZE}"
+        )
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
     """Train a byte-level BPE (GPT-2 style pre-split, no normalizer: bytes round-trip)."""
+    check_vocab_size(vocab_size)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kiln.models.loader import resolve_device
 from kiln.zoo import corpus
 from kiln.zoo.checkpoint import (
     TrainState,
@@ -172,12 +173,6 @@ class ChunkSampler:
             self._perm = torch.randperm(self.chunks.shape[0], generator=gen)
         rows = self._perm[index * self.batch_size : (index + 1) * self.batch_size]
         return self.chunks[rows.to(self.chunks.device)]
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def autocast(device: torch.device):

@@ -4,6 +4,8 @@ at a checkpoint resumes to the same weights as an uninterrupted one."""
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,17 @@ STEPS = 30
 # 12 files per split keep tokenization and the held-out sample under a second.
 COMMON = ["--size", "micro", "--steps", str(STEPS), "--max-files", "12", "--log-every", "5"]
 COMMON += ["--eval-every", "15", "--checkpoint-every", "10", "--device", "cpu"]
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def train(out: Path, *extra: str) -> str:
-    result = CliRunner().invoke(zoo_app, ["train", *COMMON, "--out", str(out), *extra])
+    args = ["train", *COMMON, "--out", str(out), *extra]
+    # training.json records sys.argv and the commit as kiln bench does; the runner would leave
+    # pytest's argv there, so set what `kiln zoo train ...` from a shell would.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["/usr/local/bin/kiln", "zoo", *args])
+        patch.setenv("KILN_GIT_COMMIT", COMMIT)
+        result = CliRunner().invoke(zoo_app, args)
     assert result.exit_code == 0, result.output + repr(result.exception)
     return result.output
 
@@ -49,7 +58,10 @@ def test_loss_falls_and_hf_model_dir_is_written(full_run: Path):
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
     summary = json.loads((full_run / "training.json").read_text())
     assert summary["steps"] == STEPS and summary["tokens_seen"] == STEPS * 8 * 64
-    assert summary["command"].startswith("kiln zoo train --size micro")
+    # Every flag as given (--device, --log-every ... too), and the commit trained.
+    given = ["kiln", "zoo", "train", *COMMON, "--out", str(full_run)]
+    assert summary["command"] == shlex.join(given)
+    assert summary["git_commit"] == COMMIT
 
 
 def test_resumed_run_continues_from_its_checkpoint(full_run: Path, tmp_path: Path):
