@@ -11,6 +11,29 @@ from kiln.cli_options import engine_options
 from kiln.zoo import DEFAULT_MODEL
 
 
+def nvtx_only_note(result: dict[str, Any]) -> str | None:
+    """Why a --nvtx-only result has no kernel tables (None for a torch.profiler run)."""
+    config = result["config"]
+    if config["torch_profiler"]:
+        return None
+    if config["nvtx"]:
+        return ("--nvtx-only: no torch.profiler, so no kernel tables here; the NVTX ranges "
+                "(kiln.step N, kiln.forward ...) are in the report of the `nsys profile` this "
+                "ran under")
+    return ("--nvtx-only on CPU: NVTX ranges need a CUDA device, so only step times were "
+            "recorded; drop --nvtx-only for torch.profiler's per-op tables")
+
+
+def above_roof_note(rows: list[dict[str, Any]]) -> str | None:
+    num = sum(1 for r in rows if r["above_roof"])
+    if not num:
+        return None
+    return (f"{num} rows ran above the roof for their estimated FLOPs and bytes (cache-resident "
+            "data beats the measured copy bandwidth, a larger GEMM the measured one, or the "
+            "estimate overcounts): their % of roof reads \"> 100\", and the roofline leaves "
+            "them out")
+
+
 def summary_markdown(result: dict[str, Any], top: int) -> str:
     from kiln.bench.result import fmt, header_md, markdown_table
 
@@ -27,6 +50,9 @@ def summary_markdown(result: dict[str, Any], top: int) -> str:
             ["phase", "host ms", "device ms"],
             [[p, v["host_ms"], v["device_ms"]] for p, v in m["phases"].items()])
         md += "\n"
+    note = nvtx_only_note(result)
+    if note:
+        return md + note + "\n"
     rows = m["kernels"][:top]
     md += (f"## top {len(rows)} of {len(m['kernels'])} kernels ({m['kernel_time_source']}; "
            f"{m['kernel_time_us'] / 1e3:,.2f} ms in all)\n\n")
@@ -39,7 +65,11 @@ def summary_markdown(result: dict[str, Any], top: int) -> str:
           None if r["flops"] is None else r["flops"] / 1e9,
           None if r["bytes"] is None else r["bytes"] / 1e6,
           r["tflops"], r["gbps"], r["intensity"], r["bound"] or "—",
+          "> 100" if r["above_roof"] else
           None if r["roof_fraction"] is None else 100 * r["roof_fraction"]] for r in rows])
+    note = above_roof_note(m["kernels"])
+    if note:
+        md += f"\n{note}\n"
     launches = m.get("launches") or []
     if launches:
         md += (f"\n## top {min(top, len(launches))} of {len(launches)} launch configurations "
@@ -67,6 +97,10 @@ def print_summary(result: dict[str, Any], top: int) -> None:
     if m["phases"]:
         console.print("phases (host ms / device ms per step): " + ", ".join(
             f"{p} {v['host_ms']:.2f}/{v['device_ms']:.2f}" for p, v in m["phases"].items()))
+    note = nvtx_only_note(result)
+    if note:
+        console.print(note)
+        return
     grid = Table("kernel / op", "shapes", "ms", "share %", "TFLOP/s", "GB/s", "bound")
     for r in m["kernels"][:top]:
         grid.add_row(r["name"][:48], r["shapes"][:28], fmt(r["time_us"] / 1e3, 2),
@@ -90,7 +124,8 @@ def print_summary(result: dict[str, Any], top: int) -> None:
 @click.option("--top", default=25, show_default=True, type=click.IntRange(min=1),
               help="kernels listed in summary.md (result.json has all)")
 @click.option("--nvtx-only", is_flag=True,
-              help="NVTX ranges without torch.profiler, to run under `nsys profile`")
+              help="NVTX ranges without torch.profiler, to run under `nsys profile` (CUDA; on "
+                   "CPU it records step times only)")
 @click.option("--output-dir", type=click.Path(file_okay=False),
               help="[default: out/bench/profile-<time>]")
 @engine_options
@@ -111,12 +146,13 @@ def profile_command(model: str, batch_size: int, input_len: int, num_steps: int,
         result = run_profile(cfg, out)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
-    md = summary_markdown(result, top)
-    write_result(result, out, md)
-    roofs = result["ceilings"]
+    written = [write_result(result, out, summary_markdown(result, top)), out / "summary.md"]
+    if result["config"]["trace"]:
+        written.append(out / result["config"]["trace"])
     if not nvtx_only:
-        plot_roofline(result["metrics"][0]["kernels"], roofs["compute_tflops"],
-                      roofs["bandwidth_gbps"], out / "roofline.png",
-                      f"{result['device']['name']}, batch {batch_size}")
+        roofs = result["ceilings"]
+        written.append(plot_roofline(result["metrics"][0]["kernels"], roofs["compute_tflops"],
+                                     roofs["bandwidth_gbps"], out / "roofline.png",
+                                     f"{result['device']['name']}, batch {batch_size}"))
     print_summary(result, min(top, 15))
-    click.echo(f"results in {out}/ (result.json, summary.md, trace.json, roofline.png)")
+    click.echo(f"results in {out}/ ({', '.join(p.name for p in written)})")

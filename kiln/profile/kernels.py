@@ -13,6 +13,10 @@ Estimates from shapes (per call):
 - fused attention (SDPA flash / efficient / cuDNN / CPU flash): ``2 * B * H * Lq * Lk * (D + Dv)``
   FLOPs (no causal discount, so an upper bound); bytes of q, k, v and the output.
 - copies and casts: no FLOPs; the input read once and written once.
+- ``to``, ``type_as``, ``contiguous``: nothing of their own. Already in the asked-for form they
+  return their input, a leaf op that moves no data (estimated as an elementwise op, its few
+  microseconds read as up to 24x the measured roof); otherwise the copy is a child op
+  (``_to_copy`` / ``copy_``, ``clone``) with its own row.
 - other leaf ops (elementwise, norms, reductions): one FLOP per element of the largest input;
   bytes of every input plus an output the size of the largest input.
 - indexing (index, gather, scatter, index_put_, embedding ...): bytes unknown from shapes
@@ -35,14 +39,16 @@ ATTENTION = {"aten::_scaled_dot_product_flash_attention",
              "aten::_scaled_dot_product_cudnn_attention",
              "aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::_flash_attention_forward", "aten::_efficient_attention_forward"}
-COPIES = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat",
-          "aten::fill_", "aten::zero_"}
+COPIES = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::fill_",
+          "aten::zero_"}
+FORWARDERS = {"aten::to", "aten::type_as", "aten::contiguous"}  # see the module docstring
 # metadata-only ops: no data moves (children of real ops that must not make them non-leaf)
 VIEWS = {"aten::" + n for n in (
     "resolve_conj", "resolve_neg", "empty", "empty_like", "empty_strided", "as_strided", "view",
     "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "expand", "slice", "select",
     "unsqueeze", "squeeze", "permute", "detach", "alias", "lift_fresh", "split",
-    "split_with_sizes", "narrow", "unbind", "chunk", "unflatten", "flatten")}
+    "split_with_sizes", "narrow", "unbind", "chunk", "unflatten", "flatten", "view_as",
+    "expand_as", "detach_", "as_strided_", "result_type")}
 INDEXING = ("index", "gather", "scatter", "embedding", "masked", "take", "nonzero", "unique",
             "sort", "topk", "argmax", "multinomial", "empty", "resize", "set_", "record_stream")
 DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "c10::half": 2, "half": 2,
@@ -71,7 +77,7 @@ def _sizes(dtypes: list[str] | None, count: int, default: int) -> list[int]:
 
 def estimate(op: str, shapes: list, dtypes: list[str] | None, default_elsize: int) -> Estimate:
     """FLOPs and bytes of one call of ``op`` from its input shapes (see the module docstring)."""
-    if op in VIEWS:
+    if op in VIEWS or op in FORWARDERS:
         return Estimate(0.0, 0.0)
     tensors = [(i, s) for i, s in enumerate(shapes) if isinstance(s, list | tuple) and s]
     es = _sizes(dtypes, len(shapes), default_elsize)
@@ -203,7 +209,13 @@ def collect_rows(events: Iterable[Any], on_cuda: bool, default_elsize: int) -> l
 
 
 def table(rows: list[KernelRow], peak_tflops: float, peak_gbps: float) -> list[dict[str, Any]]:
-    """Rows with time share, achieved rates and the bound, as JSON-ready dicts."""
+    """Rows with time share, achieved rates and the bound, as JSON-ready dicts.
+
+    ``roof_fraction`` is the achieved rate over the roof at the row's intensity. A row above
+    the roof gets none and ``above_roof``: either its estimate overcounts what it moved, or
+    the measured roof is not its roof (on CPU the bandwidth is a DRAM copy, and small
+    tensors stay in cache; the compute roof is one 1024^3 GEMM, which a larger GEMM may beat).
+    Either way the fraction would be no fraction of anything, so it is not reported as one."""
     total_us = sum(r.time_us for r in rows) or 1.0
     ridge = peak_tflops * 1e12 / (peak_gbps * 1e9)  # FLOP/byte where the two roofs meet
     out = []
@@ -213,14 +225,17 @@ def table(rows: list[KernelRow], peak_tflops: float, peak_gbps: float) -> list[d
                              "kernels": sorted(r.kernels), "calls": r.calls,
                              "time_us": r.time_us, "share": r.time_us / total_us,
                              "flops": r.flops, "bytes": r.bytes, "tflops": None, "gbps": None,
-                             "intensity": None, "bound": None, "roof_fraction": None}
+                             "intensity": None, "bound": None, "roof_fraction": None,
+                             "above_roof": False}
         if r.bytes and seconds > 0:
             d["gbps"] = r.bytes / seconds / 1e9
             d["tflops"] = (r.flops or 0.0) / seconds / 1e12
             d["intensity"] = (r.flops or 0.0) / r.bytes
             d["bound"] = "compute" if d["intensity"] >= ridge else "memory"
             attainable = min(peak_tflops * 1e12, d["intensity"] * peak_gbps * 1e9)
-            d["roof_fraction"] = (d["tflops"] * 1e12 / attainable if attainable > 0
-                                  else d["gbps"] / peak_gbps)
+            fraction = (d["tflops"] * 1e12 / attainable if attainable > 0
+                        else d["gbps"] / peak_gbps)
+            d["above_roof"] = fraction > 1.0
+            d["roof_fraction"] = None if d["above_roof"] else fraction
         out.append(d)
     return out

@@ -1,14 +1,17 @@
 """``kiln profile``: a torch.profiler trace of N engine steps, per-kernel and per-launch-grid tables
 and a roofline.
 
-The engine first runs one batch of the same shape (so Triton compilation and allocator growth
-stay out of the trace), then ``batch_size`` fresh prompts are added and ``skip_steps`` steps run
-unrecorded (skip the prefill to look at decode only), then ``num_steps`` steps are recorded.
+The engine first runs one warm-up batch of the same shape on other prompts (so Triton
+compilation and allocator growth stay out of the trace), then ``batch_size`` fresh prompts are
+added and ``skip_steps`` steps run unrecorded (skip the prefill to look at decode only), then
+``num_steps`` steps are recorded. The recorded workload is those ``batch_size`` prompts; the
+warm-up is in the config.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,12 +23,17 @@ from kiln.bench import offline
 from kiln.bench.env import ceilings
 from kiln.bench.result import make_result
 from kiln.bench.stats import summarize
-from kiln.bench.workload import BenchRequest, WorkloadSpec, build_requests
+from kiln.bench.workload import WARMUP_SEED_OFFSET, WorkloadSpec, build_requests, derived_requests
+from kiln.config import EngineConfig
 from kiln.engine.gc_heap import finite_loop_heap
-from kiln.models.loader import resolve_device
+from kiln.engine.sizing import resolve_max_model_len
+from kiln.models.arch import arch_from_hf_config
+from kiln.models.loader import read_json, resolve_device, resolve_model_path
 from kiln.profile.annotate import PHASES, PREFIX, annotate_engine, step_range
 from kiln.profile.kernels import collect_rows, table
 from kiln.profile.launches import launch_rows
+
+WARMUP_OUTPUT_LEN = 4  # a prefill and a few decode steps: every kernel of a step has run once
 
 
 @dataclass
@@ -52,27 +60,78 @@ def _phase_times(events: list[Any], num_steps: int) -> dict[str, dict[str, float
     return out
 
 
-def _step(engine: Any, index: int, nvtx: bool, device: torch.device) -> tuple[float, int]:
+def prefill_steps(input_len: int, max_num_batched_tokens: int) -> int:
+    """Steps the first request's prompt takes: it is admitted alone into an idle engine and
+    continues with the whole token budget, so one unless the budget chunks it."""
+    return math.ceil(input_len / max_num_batched_tokens)
+
+
+def tokens_needed(cfg: ProfileConfig, max_num_batched_tokens: int) -> int:
+    """Context the first request holds after the last recorded step, which it must still run in.
+
+    A request samples one token a step from the step that computes its prompt's last chunk on.
+    The engine finishes a sequence once it holds ``max_model_len`` tokens, so every recorded
+    step runs the full batch while this stays within it. At least one token more than the
+    prompt: a prompt must leave room for one (check_prompt_length).
+    """
+    sampling_steps = cfg.skip_steps + cfg.num_steps - prefill_steps(cfg.input_len,
+                                                                     max_num_batched_tokens) + 1
+    return cfg.input_len + max(sampling_steps, 1)
+
+
+def check_context(cfg: ProfileConfig) -> None:
+    """Refuse, before loading anything, a run whose recorded steps would go past the context:
+    the requests would finish early and the steps after record an empty engine."""
+    config = EngineConfig.from_kwargs(cfg.model, **cfg.engine_kwargs)
+    path = resolve_model_path(cfg.model, config.model.revision)
+    arch = arch_from_hf_config(read_json(path / "config.json"), source=str(path / "config.json"))
+    max_len = resolve_max_model_len(config.model.max_model_len, arch)
+    budget = config.scheduler.max_num_batched_tokens
+    needed = tokens_needed(cfg, budget)
+    if needed <= max_len:
+        return
+    chunks = prefill_steps(cfg.input_len, budget)
+    chunked = (f" - {chunks - 1} prompt chunks that sample no token "
+               f"(--max-num-batched-tokens {budget})" if chunks > 1 else "")
+    limit = resolve_max_model_len(None, arch)
+    raise_it = f" or raise --max-model-len (up to {limit})" if max_len < limit else ""
+    raise ValueError(f"--input-len {cfg.input_len} + --skip-steps {cfg.skip_steps} + --num-steps "
+                     f"{cfg.num_steps}{chunked} needs {needed} tokens of context; {cfg.model} "
+                     f"has {max_len}: lower one of them{raise_it}")
+
+
+def _step(engine: Any, index: int, nvtx: bool, device: torch.device) -> float:
+    """Milliseconds of one recorded step; an error if it ran no sequence (nothing to profile)."""
     offline.sync(device)
     start = time.perf_counter()
     with step_range(index, nvtx):
-        outputs = engine.step()
+        engine.step()
     offline.sync(device)
-    return (time.perf_counter() - start) * 1e3, len(outputs)
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    if engine.num_scheduled_last_step == 0:
+        # check_context keeps every request running through the window; this one was emptied
+        # some other way (KV preemption, an engine change): an idle step is no profile
+        raise RuntimeError(f"recorded step {index} ran no sequence: the profiled requests had "
+                           f"finished or were waiting; lower --skip-steps or --num-steps, or give "
+                           f"the KV cache more room (--num-kv-blocks, --gpu-memory-utilization)")
+    return elapsed_ms
 
 
 def run_profile(cfg: ProfileConfig, output_dir: Path) -> dict[str, Any]:
+    check_context(cfg)
     device = resolve_device(cfg.engine_kwargs.get("device", "auto"))
     roofs = ceilings(device, cfg.peak_gbps, cfg.peak_tflops)  # before the KV pool takes memory
     llm = offline.build_llm(cfg.model, cfg.engine_kwargs)
     engine = llm.engine
     vocab = engine.loaded.arch.vocab_size
     seed = int(cfg.engine_kwargs.get("seed", 0))
-    output_len = cfg.skip_steps + cfg.num_steps + 1  # nobody finishes inside the window
-    spec = WorkloadSpec("fixed", 2 * cfg.batch_size, cfg.input_len, output_len, seed=seed)
-    requests = build_requests(spec, vocab)
-    offline.run_requests(llm, [BenchRequest(r.prompt, 4) for r in requests[:cfg.batch_size]])
-    for i, r in enumerate(requests[cfg.batch_size:]):
+    # nobody finishes before the window's last step (check_context), nor asks for more than
+    # the context holds: the workload records what the requests could run to
+    output_len = min(cfg.skip_steps + cfg.num_steps + 1, engine.max_model_len - cfg.input_len)
+    spec = WorkloadSpec("fixed", cfg.batch_size, cfg.input_len, output_len, seed=seed)
+    warmup = derived_requests(spec, vocab, WARMUP_SEED_OFFSET, output_len=WARMUP_OUTPUT_LEN)
+    offline.run_requests(llm, warmup)
+    for i, r in enumerate(build_requests(spec, vocab)):
         engine.add_request(f"profile-{i}", r.prompt, offline.greedy_params(r.output_len))
     with finite_loop_heap():  # no full collection inside the window
         for _ in range(cfg.skip_steps):
@@ -89,13 +148,13 @@ def run_profile(cfg: ProfileConfig, output_dir: Path) -> dict[str, Any]:
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
                 with torch.profiler.profile(activities=activities, record_shapes=True,
                                             with_flops=True) as prof:
-                    step_ms = [_step(engine, i, nvtx, device)[0] for i in range(cfg.num_steps)]
+                    step_ms = [_step(engine, i, nvtx, device) for i in range(cfg.num_steps)]
                 prof.export_chrome_trace(str(output_dir / "trace.json"))
                 events = list(prof.events())
                 with open(output_dir / "trace.json") as f:
                     launches = launch_rows(json.load(f))
             else:
-                step_ms = [_step(engine, i, nvtx, device)[0] for i in range(cfg.num_steps)]
+                step_ms = [_step(engine, i, nvtx, device) for i in range(cfg.num_steps)]
         engine.run_to_completion()
     elsize = torch.empty((), dtype=engine.loaded.dtype).element_size()
     rows = table(collect_rows(events, device.type == "cuda", elsize),
@@ -110,7 +169,8 @@ def run_profile(cfg: ProfileConfig, output_dir: Path) -> dict[str, Any]:
                "kernels": rows, "launches": launches}
     config = {k: v for k, v in asdict(cfg).items() if k != "engine_kwargs"}
     config.update(engine=cfg.engine_kwargs, engine_defaults=offline.BENCH_ENGINE_DEFAULTS,
-                  dtype=str(engine.loaded.dtype),
+                  dtype=str(engine.loaded.dtype), nvtx=nvtx,
+                  warmup_prompts=len(warmup), warmup_output_len=warmup[0].output_len,
                   trace="trace.json" if cfg.torch_profiler else None)
     offline.free_llm(llm)
     return make_result("profile", device, config, spec.to_dict(), [metrics], [], roofs)
