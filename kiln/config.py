@@ -38,8 +38,10 @@ def _check_positive(name: str, value: float | None, allow_none: bool = False) ->
 
 
 def normalize_dtype(dtype: str) -> str:
-    """Map aliases such as 'bf16' to canonical names; raise on unknown strings."""
-    canonical = DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    """Map aliases such as 'bf16' (and torch dtypes: torch.bfloat16) to canonical names; raise
+    on unknown ones."""
+    name = str(dtype).lower().removeprefix("torch.")
+    canonical = DTYPE_ALIASES.get(name, name)
     if canonical not in DTYPE_CHOICES:
         raise ValueError(
             f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)} "

@@ -91,6 +91,11 @@ def test_pickled_weights_are_refused(model_copy):
         load_model(str(model_copy), device="cpu")
 
 
+def test_dtype_as_a_torch_dtype(tiny_llama):
+    llm = kiln.LLM(str(tiny_llama), dtype=torch.float32, device="cpu", num_kv_blocks=64)
+    assert llm.engine.loaded.dtype == torch.float32
+
+
 def test_unknown_dtype_string(tiny_llama):
     with pytest.raises(ValueError, match="dtype='float8'.*bfloat16"):
         kiln.LLM(str(tiny_llama), dtype="float8", device="cpu")
