@@ -4,24 +4,12 @@
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
-
-from kiln.cli import main
+from cli_testing import assert_fails_cleanly, kiln
 
 # kiln-tiny's context, and kiln-tiny-draft's (it loads in a fraction of kiln-tiny's time)
 CONTEXT = 1024
 
 
-def kiln(*args: str):
-    return CliRunner().invoke(main, list(args))
-
-
-def assert_fails_cleanly(result, message: str) -> None:
-    """A handled error exits non-zero through SystemExit, not an escaped exception."""
-    assert result.exit_code != 0, result.output
-    assert isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    assert message in result.output, result.output
 
 
 @pytest.mark.parametrize(

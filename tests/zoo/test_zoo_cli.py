@@ -7,25 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
+from cli_testing import assert_fails_cleanly, kiln
 
-from kiln.cli import main
 from kiln.zoo.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
 
 # Valid settings that would train in seconds: each case below spoils one of them.
 TRAIN = ["zoo", "train", "--size", "micro", "--steps", "1", "--max-files", "2", "--device", "cpu"]
 
 
-def kiln(*args: str) -> Result:
-    return CliRunner().invoke(main, list(args))
-
-
-def assert_fails_cleanly(result: Result, message: str) -> None:
-    """A handled error exits non-zero through SystemExit, not an escaped exception."""
-    assert result.exit_code != 0, result.output
-    assert isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    assert message in result.output, result.output
 
 
 @pytest.mark.parametrize("command", [[], ["list"], ["train"], ["tokenizer"]])
