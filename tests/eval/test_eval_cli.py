@@ -10,8 +10,6 @@ from cli_testing import assert_fails_cleanly, kiln
 CONTEXT = 1024
 
 
-
-
 @pytest.mark.parametrize(
     "args,message",
     [

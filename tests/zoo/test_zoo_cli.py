@@ -15,8 +15,6 @@ from kiln.zoo.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
 TRAIN = ["zoo", "train", "--size", "micro", "--steps", "1", "--max-files", "2", "--device", "cpu"]
 
 
-
-
 @pytest.mark.parametrize("command", [[], ["list"], ["train"], ["tokenizer"]])
 def test_short_help_option(command: list[str]):
     result = kiln("zoo", *command, "-h")
