@@ -28,10 +28,9 @@ def above_roof_note(rows: list[dict[str, Any]]) -> str | None:
     num = sum(1 for r in rows if r["above_roof"])
     if not num:
         return None
-    return (f"{num} rows ran above the roof for their estimated FLOPs and bytes (cache-resident "
-            "data beats the measured copy bandwidth, a larger GEMM the measured one, or the "
-            "estimate overcounts): their % of roof reads \"> 100\", and the roofline leaves "
-            "them out")
+    return (f"{num} rows ran above the measured roof for their estimated FLOPs and bytes "
+            "(cache-resident data beats the measured copy bandwidth, a larger GEMM the measured "
+            "one, or the estimate overcounts): their % of roof is over 100")
 
 
 def summary_markdown(result: dict[str, Any], top: int) -> str:
@@ -65,7 +64,6 @@ def summary_markdown(result: dict[str, Any], top: int) -> str:
           None if r["flops"] is None else r["flops"] / 1e9,
           None if r["bytes"] is None else r["bytes"] / 1e6,
           r["tflops"], r["gbps"], r["intensity"], r["bound"] or "—",
-          "> 100" if r["above_roof"] else
           None if r["roof_fraction"] is None else 100 * r["roof_fraction"]] for r in rows])
     note = above_roof_note(m["kernels"])
     if note:

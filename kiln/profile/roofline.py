@@ -17,9 +17,9 @@ NUM_LABELS = 8
 def plot_roofline(rows: list[dict[str, Any]], peak_tflops: float, peak_gbps: float,
                   path: Path, title: str) -> Path:
     """Rows with FLOPs > 0 are points sized by time share; the top ones are labelled. Rows
-    above the roof (kernels.table says why) are left out and counted in the title."""
-    points = [r for r in rows if r["intensity"] and r["tflops"] and not r["above_roof"]]
-    num_above = sum(1 for r in rows if r["above_roof"])
+    above the roof (kernels.table says why) are counted in the title."""
+    points = [r for r in rows if r["intensity"] and r["tflops"]]
+    num_above = sum(1 for r in points if r["above_roof"])
     fig, ax = plt.subplots(figsize=(9, 6))
     ridge = peak_tflops * 1e3 / peak_gbps  # FLOP/byte
     lo = min([r["intensity"] for r in points] + [ridge / 100]) / 2
@@ -37,7 +37,7 @@ def plot_roofline(rows: list[dict[str, Any]], peak_tflops: float, peak_gbps: flo
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP/byte, estimated from shapes)")
     ax.set_ylabel("achieved TFLOP/s")
-    above = f"; {num_above} rows above the roof left out" if num_above else ""
+    above = f"; {num_above} above the measured roof" if num_above else ""
     ax.set_title(title + f"  (red: memory-bound, blue: compute-bound; size: time share{above})",
                  fontsize=9)
     ax.grid(alpha=0.3, which="both")
