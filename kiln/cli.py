@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kiln.cli_options import engine_options
+from kiln.cli_options import HELP_OPTIONS, engine_options
 from kiln.zoo import DEFAULT_MODEL
 
 
@@ -58,7 +58,7 @@ SUBCOMMANDS = {
     "quantize": ("kiln.quant.cli", "quantize_cmd"),
 }
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings=HELP_OPTIONS)
 @click.version_option(package_name="kiln")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))

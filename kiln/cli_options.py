@@ -1,4 +1,6 @@
-"""Engine flags for every command that builds an engine, generated from the config dataclasses.
+"""What the ``kiln`` commands share: -h, the settings of Typer sub-apps, the results directory,
+and the engine flags of every command that builds an engine, generated from the config
+dataclasses.
 
 ``--block-size``, ``--max-num-seqs``, ``--gpu-memory-utilization`` ... are the dashed forms of
 ``EngineConfig.from_kwargs`` names (vLLM's names), so ``kiln serve``, ``kiln generate`` and
@@ -11,11 +13,36 @@ import dataclasses
 import functools
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
 from kiln import config as cfg
+
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}  # every kiln command takes -h
+
+
+def typer_app(help: str) -> Any:
+    """A Typer sub-app (eval, zoo) that behaves as the click commands: -h, plain usage errors
+    (Typer's rich mode boxes them), no shell-completion options."""
+    import typer  # (only the commands that are Typer apps pay its import)
+
+    return typer.Typer(help=help, context_settings=HELP_OPTIONS, rich_markup_mode=None,
+                       add_completion=False)
+
+
+def result_dir(kind: str, output_dir: str | None) -> Path:
+    """``--output-dir``, or out/bench/<kind>-<time>. One that already holds a run's results is
+    refused before any work: its plots would stay beside the new result.json, mixing runs."""
+    from kiln.bench.result import default_output_dir
+
+    path = Path(output_dir) if output_dir else default_output_dir(kind)
+    if (path / "result.json").exists():
+        raise click.UsageError(f"--output-dir {path} already holds a run's results "
+                               "(result.json); choose another directory or remove that one")
+    return path
+
 
 _CHOICES = {
     "dtype": cfg.DTYPE_CHOICES, "device": cfg.DEVICE_CHOICES, "load_format": cfg.LOAD_FORMATS,

@@ -15,7 +15,7 @@ import click
 from click.core import ParameterSource
 
 from kiln.bench.workload import DATASET_NAMES, WorkloadSpec
-from kiln.cli_options import engine_options
+from kiln.cli_options import HELP_OPTIONS, engine_options, result_dir
 from kiln.zoo import DEFAULT_MODEL
 
 
@@ -95,18 +95,6 @@ def _given_seed(seed: int) -> int | None:
     return seed if source == ParameterSource.COMMANDLINE else None
 
 
-def _output_dir(kind: str, output_dir: str | None) -> Path:
-    """Where the run's results go; one that already holds a run's is refused before any work
-    (its plots would stay beside the new result.json, mixing two runs)."""
-    from kiln.bench.result import default_output_dir
-
-    path = Path(output_dir) if output_dir else default_output_dir(kind)
-    if (path / "result.json").exists():
-        raise click.UsageError(f"--output-dir {path} already holds a run's results "
-                               "(result.json); choose another directory or remove that one")
-    return path
-
-
 output_dir_option = click.option("--output-dir", "--result-dir", "output_dir",
                                  type=click.Path(file_okay=False),
                                  help="where result.json, summary.md and plots go "
@@ -116,7 +104,7 @@ peer_option = click.option("--peer", type=click.Choice(["none", "hf"]), default=
                            help="hf: also run the workload through transformers generate")
 
 
-@click.group("bench", context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("bench", context_settings=HELP_OPTIONS)
 def bench_group() -> None:
     """Benchmarks: offline latency and throughput, and load against a serving endpoint."""
 
@@ -147,7 +135,7 @@ def latency_command(model: str, batch_sizes: list[int], input_lens: list[int],
     cfg = LatencyConfig(model, batch_sizes, input_lens, output_lens, num_iters,
                         num_iters_warmup, None if peer == "none" else peer, peer_num_iters,
                         bandwidth_gbps, engine_kwargs)
-    out = _output_dir("latency", output_dir)  # (checked before the run)
+    out = result_dir("latency", output_dir)  # (checked before the run)
     save_and_print(_guard(run_latency, cfg), out)
 
 
@@ -171,7 +159,7 @@ def throughput_command(model: str, num_warmups: int, peer: str,
     spec = make_spec(engine_kwargs.get("seed"), **workload)
     cfg = ThroughputConfig(model, spec, num_warmups, None if peer == "none" else peer,
                            peer_batch_size, engine_kwargs)
-    out = _output_dir("throughput", output_dir)  # (checked before the run)
+    out = result_dir("throughput", output_dir)  # (checked before the run)
     save_and_print(_guard(run_throughput, cfg), out)
 
 
@@ -217,7 +205,7 @@ def serve_command(base_url: str, endpoint: str, model: str | None,
                           ready_check_timeout_sec, request_timeout_sec, _vocab_size(model))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    out = _output_dir("serve", output_dir)  # (checked before the run)
+    out = result_dir("serve", output_dir)  # (checked before the run)
     save_and_print(_guard(run_serve, cfg), out)
 
 

@@ -167,12 +167,12 @@ def load_jsonl(path: Path, num_prompts: int, default_output_len: int,
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc})") from None
             request = _parse_line(obj, f"{path}:{lineno}", default_output_len)
-            if vocab_size and isinstance(request.prompt, list) and request.prompt \
-                    and max(request.prompt) >= vocab_size:
+            top = max(request.prompt, default=0) if isinstance(request.prompt, list) else 0
+            if vocab_size and top >= vocab_size:
                 raise ValueError(
-                    f"{path}:{lineno}: token id {max(request.prompt)} is outside the model's "
-                    f"vocabulary of {vocab_size} ids; write the workload for this model with "
-                    f"kiln bench workload --vocab-size {vocab_size}")
+                    f"{path}:{lineno}: token id {top} is outside the model's vocabulary of "
+                    f"{vocab_size} ids; write the workload for this model with kiln bench "
+                    f"workload --vocab-size {vocab_size}")
             requests.append(request)
     if len(requests) < num_prompts:
         raise ValueError(f"{path} holds {len(requests)} prompts but --num-prompts asks for "

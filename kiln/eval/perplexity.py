@@ -19,6 +19,7 @@ import click
 import torch
 import typer
 
+from kiln.cli_options import typer_app
 from kiln.progress import make_progress
 from kiln.zoo import DEFAULT_MODEL
 
@@ -170,13 +171,7 @@ def kiln_logits_fn(loaded: Any) -> LogitsFn:
     return lambda ids: loaded.model.full_logits(ids.to(loaded.device))
 
 
-# -h and plain click-style usage errors, like the rest of `kiln` (rich would box the errors)
-eval_app = typer.Typer(
-    help="Accuracy: perplexity and model agreement.",
-    context_settings={"help_option_names": ["-h", "--help"]},
-    rich_markup_mode=None,
-    add_completion=False,
-)
+eval_app = typer_app("Accuracy: perplexity and model agreement.")
 
 # scoring needs a token and its predecessor: in the stream, and inside every window
 MaxTokens = Annotated[int | None, typer.Option(min=2, help="score only the first N tokens")]

@@ -100,6 +100,12 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
 
 
+def read_arch(path: Path) -> ArchConfig:
+    """The architecture of the checkpoint at ``path``, from its config.json alone (no weights:
+    what start-up checks need before a model loads)."""
+    return arch_from_hf_config(read_json(path / "config.json"), source=str(path / "config.json"))
+
+
 def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's weight files, from the shard index when there is one."""
     index = path / "model.safetensors.index.json"
@@ -204,8 +210,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", load_forma
     """
     start = time.perf_counter()
     path = resolve_model_path(model, revision)
-    hf_config = read_json(path / "config.json")
-    arch = arch_from_hf_config(hf_config, source=str(path / "config.json"))
+    arch = read_arch(path)
     target = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, arch.torch_dtype, target)
     files = [] if load_format == "dummy" else safetensors_files(path)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import click
 
-from kiln.cli_options import engine_options
+from kiln.cli_options import HELP_OPTIONS, engine_options, result_dir
 from kiln.zoo import DEFAULT_MODEL
 
 
@@ -107,7 +106,7 @@ def print_summary(result: dict[str, Any], top: int) -> None:
     console.print(grid)
 
 
-@click.command("profile", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("profile", context_settings=HELP_OPTIONS)
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--input-len", default=128, show_default=True, type=click.IntRange(min=1))
@@ -133,11 +132,11 @@ def profile_command(model: str, batch_size: int, input_len: int, num_steps: int,
                     engine_kwargs: dict[str, Any]) -> None:
     """Profile N engine steps: Chrome trace, per-kernel and per-launch-grid tables, roofline
     (NVTX on CUDA)."""
-    from kiln.bench.result import default_output_dir, write_result
+    from kiln.bench.result import write_result
     from kiln.profile.roofline import plot_roofline
     from kiln.profile.run import ProfileConfig, run_profile
 
-    out = Path(output_dir) if output_dir else default_output_dir("profile")
+    out = result_dir("profile", output_dir)
     cfg = ProfileConfig(model, batch_size, input_len, num_steps, skip_steps, peak_gbps,
                         peak_tflops, not nvtx_only, engine_kwargs)
     try:

@@ -27,8 +27,7 @@ from kiln.bench.workload import WARMUP_SEED_OFFSET, WorkloadSpec, build_requests
 from kiln.config import EngineConfig
 from kiln.engine.gc_heap import finite_loop_heap
 from kiln.engine.sizing import resolve_max_model_len
-from kiln.models.arch import arch_from_hf_config
-from kiln.models.loader import read_json, resolve_device, resolve_model_path
+from kiln.models.loader import read_arch, resolve_device, resolve_model_path
 from kiln.profile.annotate import PHASES, PREFIX, annotate_engine, step_range
 from kiln.profile.kernels import collect_rows, table
 from kiln.profile.launches import launch_rows
@@ -84,7 +83,7 @@ def check_context(cfg: ProfileConfig) -> None:
     the requests would finish early and the steps after record an empty engine."""
     config = EngineConfig.from_kwargs(cfg.model, **cfg.engine_kwargs)
     path = resolve_model_path(cfg.model, config.model.revision)
-    arch = arch_from_hf_config(read_json(path / "config.json"), source=str(path / "config.json"))
+    arch = read_arch(path)
     max_len = resolve_max_model_len(config.model.max_model_len, arch)
     budget = config.scheduler.max_num_batched_tokens
     needed = tokens_needed(cfg, budget)

@@ -112,11 +112,9 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
 def check_seq_len(ctx: click.Context, seq_len: int, model: str, path: Path) -> int:
     """--seq-len within the context of the model at ``path`` (its config.json, before loading):
     an explicit one past it is an error, the default is capped to it."""
-    from kiln.models.arch import arch_from_hf_config
-    from kiln.models.loader import read_json
+    from kiln.models.loader import read_arch
 
-    config = path / "config.json"
-    context = arch_from_hf_config(read_json(config), source=str(config)).max_position_embeddings
+    context = read_arch(path).max_position_embeddings
     if seq_len <= context:
         return seq_len
     if given(ctx, "seq_len"):

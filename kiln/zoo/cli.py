@@ -9,15 +9,11 @@ from typing import Annotated
 import click
 import typer
 
+from kiln.cli_options import typer_app
 from kiln.zoo import ZOO_MODELS
 from kiln.zoo.tokenizer import DEFAULT_VOCAB_SIZE, MIN_VOCAB_SIZE, check_vocab_size
 
-zoo_app = typer.Typer(
-    help="Kiln's own small models, trained on the Python standard library.",
-    context_settings={"help_option_names": ["-h", "--help"]},  # as every other kiln command
-    rich_markup_mode=None,
-    add_completion=False,
-)
+zoo_app = typer_app("Kiln's own small models, trained on the Python standard library.")
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 

@@ -94,3 +94,13 @@ def test_nvtx_only_on_cpu_lists_its_files_and_says_why_no_kernels(tiny_llama, tm
     assert result["metrics"][0]["step_ms"]["n"] == 2 and result["metrics"][0]["kernels"] == []
     assert result["ceilings"]["bandwidth_source"] == "given"
     assert result["config"]["nvtx"] is False and result["config"]["trace"] is None
+
+
+def test_an_output_dir_holding_a_run_is_refused_before_the_run(tiny_llama, tmp_path,
+                                                               monkeypatch):
+    """As kiln bench's: the old run's plots would stay beside the new result.json."""
+    (tmp_path / "result.json").write_text("{}")
+    monkeypatch.setattr(run, "run_profile", lambda *a: pytest.fail("the run started"))
+    result = _profile(tiny_llama, tmp_path)
+    assert result.exit_code == 2 and "already holds a run's results" in result.output, \
+        result.output
