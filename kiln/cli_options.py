@@ -56,7 +56,7 @@ _HELP = {
     "load_format": "dummy: random weights from config.json alone (benchmarks)",
     "max_model_len": "longest prompt + output served (default: the model's limit)",
     "revision": "hub revision to download",
-    "seed": "seed of the random weights of --load-format dummy",
+    "seed": "seed of the sampling of requests without their own and of --load-format dummy",
     "quantization": "quantize the weights at load",
     "block_size": "tokens per KV-cache block",
     "gpu_memory_utilization": "fraction of GPU memory Kiln may use (weights + KV pool)",

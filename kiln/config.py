@@ -60,7 +60,7 @@ class ModelConfig:
     load_format: str = "auto"
     max_model_len: int | None = None
     revision: str | None = None
-    seed: int = 0
+    seed: int = 0  # dummy weights, and the draws of requests without a seed of their own
     quantization: str | None = None
 
     def __post_init__(self) -> None:

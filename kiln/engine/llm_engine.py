@@ -60,7 +60,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                  num_cpu_blocks=num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(self.loaded, self.kv_cache, self.kv, self.backend)
+        self.runner = ModelRunner(self.loaded, self.kv_cache, self.kv, self.backend, mc.seed)
         self.requests: dict[str, Request] = {}
         self.num_scheduled_last_step = 0
         self._in_flight: InFlightStep | None = None

@@ -49,7 +49,7 @@ class BatchInputs:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv_cache: KVCache, kv: KVCacheManager,
-                 attention_backend: str) -> None:
+                 attention_backend: str, seed: int = 0) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -57,7 +57,9 @@ class ModelRunner:
         self.kv = kv
         self.block_size = kv_cache.block_size
         self.backend = attention_backend
-        self.sampler = Sampler()
+        # requests without a seed of their own draw from this stream, so that an engine's
+        # sampled outputs repeat run to run for a given seed and differ between seeds (vLLM)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.kv_caches = list(zip(kv_cache.k_caches, kv_cache.v_caches, strict=True))
         self.graphs: StepGraphs | None = None
 

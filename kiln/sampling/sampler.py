@@ -272,7 +272,14 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 
 class Sampler:
-    """Turns one step's logits into next tokens (and logprobs) for every running sequence."""
+    """Turns one step's logits into next tokens (and logprobs) for every running sequence.
+
+    `generator` is the stream that random rows without a seed of their own draw from (the
+    engine's, seeded by its `seed` as in vLLM); None draws from torch's default generator.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
 
     def sample(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """`logits` [num_seqs, vocab] is not modified. Returns tokens still on its device."""
@@ -314,8 +321,8 @@ class Sampler:
         On CUDA the first launch of a kernel loads it (lazy module loading) and waits for the
         device, and a Triton kernel compiles on its first call with new constants: at start-up
         that costs nothing, in the first step of the first request that samples it stalls the
-        batch, in a chained step the GPU as well. The caller's random streams (the default
-        generators, which unseeded rows draw from) are left as they were."""
+        batch, in a chained step the GPU as well. The random streams (the sampler's own and
+        torch's default generators) are left as they were."""
         params = [
             SamplingParams(temperature=0.0, logprobs=2),
             SamplingParams(temperature=0.8, top_k=4, top_p=0.9, min_p=0.01, seed=0,
@@ -324,6 +331,7 @@ class Sampler:
             SamplingParams(temperature=1.0),
         ]
         device = torch.device(device)
+        own_state = None if self.generator is None else self.generator.get_state()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for batch in (params, params[1:]):
                 generators = [generator_for(p.seed, 0, device) if p.seed is not None else None
@@ -332,9 +340,10 @@ class Sampler:
                                               [[2, 3]] * len(batch), device, eos_token_ids=[0])
                 self.sample(torch.randn(len(batch), vocab_size, device=device), meta)
             compute_prompt_logprobs(torch.randn(2, vocab_size, device=device), [1, 2, 3], 2)
+        if own_state is not None:
+            self.generator.set_state(own_state)
 
-    @staticmethod
-    def _sample_random(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    def _sample_random(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         if meta.temperature is not None:
             logits.div_(meta.temperature)
         if meta.top_k is not None or meta.top_p is not None:
@@ -344,10 +353,10 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / q), q ~ Exp(1), is a draw from p without a CDF search.
         # Seeded rows draw q from their own generator so their tokens ignore the batch around
-        # them; the rest share one batched draw from the default generator.
+        # them; the rest share one batched draw from the sampler's stream.
         q = torch.empty_like(probs)
         if meta.needs_shared_draw:
-            q.exponential_()
+            q.exponential_(generator=self.generator)
         for row, gen in meta.generators.items():
             q[row].exponential_(generator=gen)
         q.clamp_min_(_TINY)

@@ -76,6 +76,25 @@ def test_parallel_samples_share_prompt_blocks_and_are_reproducible(tiny_llama):
     assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
 
 
+def test_engine_seed_drives_unseeded_sampling_and_leaves_torch_rng_alone(tiny_llama):
+    """As vLLM's `LLM(seed=...)`: requests without a seed of their own repeat for one engine
+    seed and differ between seeds; the engine draws from its own stream, not torch's."""
+    prompts = [list(range(10, 30)), [5, 6, 7]]
+    params = [kiln.SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)] * 2
+
+    def sampled(seed: int, torch_seed: int) -> dict[str, list[int]]:
+        torch.manual_seed(torch_seed)
+        before = torch.get_rng_state()
+        outputs = run_all(make_engine(tiny_llama, seed=seed), prompts, params)
+        assert torch.equal(torch.get_rng_state(), before)
+        return outputs
+
+    first = sampled(3, torch_seed=0)
+    assert sampled(3, torch_seed=1) == first
+    assert sampled(4, torch_seed=0) != first
+    assert len({t for out in first.values() for t in out[0]}) > 5  # really sampling
+
+
 def test_abort_mid_generation_frees_blocks(tiny_llama):
     engine = make_engine(tiny_llama, block_size=4)
     params = kiln.SamplingParams(max_tokens=50, ignore_eos=True)

@@ -121,3 +121,22 @@ def test_prompt_logprobs_score_each_next_prompt_token():
     # A prefill chunk covering positions [1, 3) scores prompt[2:4] with its own logits.
     chunk = compute_prompt_logprobs(logits[1:3], prompt[1:4], 2)
     torch.testing.assert_close(chunk.token_logprobs, lp.token_logprobs[1:3])
+
+
+def test_unseeded_rows_draw_from_the_samplers_stream_and_warm_up_keeps_it():
+    params = [SamplingParams(temperature=1.0)] * 3
+    meta = SamplingMetadata.build(params, [None] * 3, [[]] * 3, [[1]] * 3, "cpu")
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+
+    def draws(seed: int) -> list[int]:
+        sampler = Sampler(torch.Generator().manual_seed(seed))
+        state = sampler.generator.get_state()
+        sampler.warm_up(VOCAB, "cpu")
+        assert torch.equal(sampler.generator.get_state(), state)
+        return [t for _ in range(8) for t in sampler.sample(logits, meta).token_ids.tolist()]
+
+    torch.manual_seed(1)
+    first = draws(5)
+    torch.manual_seed(2)  # torch's default stream plays no part
+    assert draws(5) == first
+    assert draws(6) != first
