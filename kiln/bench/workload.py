@@ -23,6 +23,8 @@ import numpy as np
 
 DATASET_NAMES = ("fixed", "random", "jsonl")
 TOKEN_ID_LOW, TOKEN_ID_HIGH = 10, 120000
+# fields that only the generated workloads (fixed, random) read
+_GENERATED_ONLY = ("input_len", "random_range_ratio", "prefix_len", "token_id_low", "token_id_high")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,14 @@ class WorkloadSpec:
                              f"empty")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields that shaped the requests: a JSONL dataset brings its own prompts, so the
+        generated workloads' lengths and token range are left out (output_len stays: it is the
+        default of lines without one)."""
+        fields = dataclasses.asdict(self)
+        if self.dataset_name == "jsonl":
+            for name in _GENERATED_ONLY:
+                del fields[name]
+        return fields
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> WorkloadSpec:

@@ -60,6 +60,12 @@ def test_jsonl_round_trip_and_text_prompts(tmp_path):
     assert back[3].prompt_len is None and back[0].prompt_len == 6
     spec = WorkloadSpec("jsonl", num_prompts=2, dataset_path=str(path))
     assert len(build_requests(spec)) == 2
+    # what a result records: no generated-workload lengths the dataset did not use, and the
+    # record rebuilds the same spec
+    recorded = spec.to_dict()
+    assert "input_len" not in recorded and "prefix_len" not in recorded
+    assert WorkloadSpec(**recorded) == spec
+    assert WorkloadSpec("fixed", 3, 6, 5).to_dict()["input_len"] == 6
 
 
 def test_jsonl_errors_name_the_line(tmp_path):
