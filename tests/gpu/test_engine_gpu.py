@@ -390,6 +390,23 @@ def test_quantized_engine_is_deterministic():
     assert runs[0] == runs[1]
 
 
+def test_engine_seed_repeats_unseeded_sampling_through_graphs_and_chained_steps():
+    """On CUDA (graphs, async scheduling) requests without a seed of their own draw from the
+    engine's stream: one engine seed repeats its tokens whatever torch's default stream holds,
+    another seed gives others."""
+    prompts, _ = _heldout_workload(24, seed=4)
+    params = [kiln.SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, ignore_eos=True)
+              for _ in prompts]
+
+    def sampled(seed: int, torch_seed: int) -> list[list[int]]:
+        torch.manual_seed(torch_seed)
+        return _engine_tokens("kiln-tiny", "triton", prompts, params, seed=seed)
+
+    first = sampled(11, torch_seed=0)
+    assert sampled(11, torch_seed=1) == first
+    assert sampled(12, torch_seed=0) != first
+
+
 def test_engine_fp8_kv_cache_with_chunked_prompts_next_to_decodes():
     """An fp8 cache through the Triton backend, 96 tokens a step, so prompt chunks share steps
     with decodes (the attention layer splits such batches, and an fp8 cache reads every key back
