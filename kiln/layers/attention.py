@@ -12,9 +12,6 @@ per sequence, so both paths run the same code.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -43,31 +40,6 @@ class AttentionMetadata:
     # new kernel variant for it in the middle of serving.
     num_decode_seqs: int = 0
     prefill: AttentionMetadata | None = None
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-@contextmanager
-def _beside(device: torch.device) -> Iterator[AbstractContextManager]:
-    """Yields a context whose kernels run beside the current stream's until the block ends.
-
-    Eager CUDA steps only (KILN_ATTENTION_SIDE_STREAM=0 turns it off): a graph being captured
-    or a CPU tensor gets a context that changes nothing. The side stream starts after what the
-    current one has queued and the current one waits for it at the end, so tensors made before
-    the block are safe to use in it and to free after it."""
-    if (device.type != "cuda" or torch.cuda.is_current_stream_capturing()
-            or os.environ.get("KILN_ATTENTION_SIDE_STREAM", "1") == "0"):
-        yield nullcontext()
-        return
-    if device not in _SIDE_STREAMS:  # high priority: its blocks go first as SMs free up
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-    side, main = _SIDE_STREAMS[device], torch.cuda.current_stream(device)
-    side.wait_stream(main)
-    try:
-        yield torch.cuda.stream(side)
-    finally:
-        main.wait_stream(side)
 
 
 class Attention(nn.Module):
@@ -115,15 +87,12 @@ class Attention(nn.Module):
             nd, pre = meta.num_decode_seqs, meta.prefill
             pre_kv = (k_new[nd:], v_new[nd:]) if new_kv else (None, None)
             out = torch.empty_like(q)  # each part writes its rows in place: no copy after
-            with _beside(q.device) as side:
-                # the decode part reads K/V at the copy rate while the prefill part computes
-                with side:
-                    paged_attention(q[:nd], k_cache, v_cache, meta.cu_seqlens_q[: nd + 1],
-                                    meta.seq_lens[:nd], meta.block_tables[:nd], 1,
-                                    meta.max_seqlen_k, scale, out=out[:nd])
-                paged_attention(q[nd:], k_cache, v_cache, pre.cu_seqlens_q, pre.seq_lens,
-                                pre.block_tables, pre.max_seqlen_q, pre.max_seqlen_k, scale,
-                                *pre_kv, out=out[nd:])
+            paged_attention(q[:nd], k_cache, v_cache, meta.cu_seqlens_q[: nd + 1],
+                            meta.seq_lens[:nd], meta.block_tables[:nd], 1, meta.max_seqlen_k,
+                            scale, out=out[:nd])
+            paged_attention(q[nd:], k_cache, v_cache, pre.cu_seqlens_q, pre.seq_lens,
+                            pre.block_tables, pre.max_seqlen_q, pre.max_seqlen_k, scale,
+                            *pre_kv, out=out[nd:])
         if fp8:
             out = out * out_scale
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
