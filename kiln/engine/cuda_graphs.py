@@ -44,17 +44,24 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 # 264-272 on their own graph: 13.50-13.74 ms a step at 384 tokens of context, against 13.07-13.17
 # replaying 320's at 2% (results/h100/wint_ws_order.txt); bf16's routes were the same at both.
 ROUTE_MARGIN = 0.02
+# and at least this much time a step: a padded batch runs other GEMM tiles, so its near-tie tokens
+# can differ, and a route decided by timing noise would make them differ between processes.
+# kiln-tiny's graphs (0.1-0.3 ms) timed twice differed by up to 7 us, their "faster" larger
+# graphs saved 3-10 us and changed from process to process; the 8B's routes save 0.3-4.5 ms
+# (results/h100/graph_routing_noise.txt).
+ROUTE_MIN_SAVED_MS = 0.05
 
 
-def fastest_holding(sizes: list[int], ms: dict[int, float],
-                    margin: float = ROUTE_MARGIN) -> dict[int, int]:
-    """For each batch size whose graph a larger one beats by more than ``margin`` (its device
-    time ``ms``), the fastest larger size: a batch padded up to it runs sooner (cuBLAS's bf16
-    GEMMs at 448 rows take longer than at 512 on the H100). Padded rows cost only GEMM rows."""
+def fastest_holding(sizes: list[int], ms: dict[int, float], margin: float = ROUTE_MARGIN,
+                    min_saved_ms: float = ROUTE_MIN_SAVED_MS) -> dict[int, int]:
+    """For each batch size whose graph a larger one beats by more than ``margin`` and
+    ``min_saved_ms`` (its device time ``ms``), the fastest larger size: a batch padded up to it
+    runs sooner (cuBLAS's bf16 GEMMs at 448 rows take longer than at 512 on the H100). Padded
+    rows cost only GEMM rows."""
     route = {}
     for i, size in enumerate(sizes):
         best = min(sizes[i:], key=ms.__getitem__)
-        if ms[best] < (1 - margin) * ms[size]:
+        if ms[best] < min((1 - margin) * ms[size], ms[size] - min_saved_ms):
             route[size] = best
     return route
 
