@@ -113,16 +113,17 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                             f"{body.top_logprobs} without it; set logprobs to true or drop "
                             f"top_logprobs", param="top_logprobs")
     prompt = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
-    requested = (body.max_completion_tokens if body.max_completion_tokens is not None
-                 else body.max_tokens)
-    max_tokens = resolve_max_tokens(len(prompt), requested, engine.max_model_len)
+    # max_completion_tokens replaces the deprecated max_tokens; errors name the one sent
+    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(len(prompt), getattr(body, max_field), engine.max_model_len,
+                                    param=max_field)
     num_top = body.top_logprobs or 0
     params = sampling_params(body, max_tokens, num_top if body.logprobs else None,
-                             logprobs_field="top_logprobs")
+                             {"logprobs": "top_logprobs", "max_tokens": max_field})
     state.check_queue(engine)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created, tokenizer = int(time.time()), engine.tokenizer
-    outputs = merged_outputs(engine, [prompt], params, request_id, state.metrics)
+    outputs = merged_outputs(engine, [prompt], [params], request_id, state.metrics)
 
     def logprobs_of(choice: CompletionOutput, start: int) -> ChoiceLogprobs | None:
         return _logprobs(state, tokenizer, choice, start, num_top) if body.logprobs else None

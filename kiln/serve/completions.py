@@ -83,12 +83,13 @@ async def create_completion(state: ServerState, body: CompletionRequest,
         if not off:
             raise APIError(400, f"{field} is not supported", param=field)
     prompts = tokenize_prompts(state, body.prompt)
-    max_tokens = min(resolve_max_tokens(len(p), body.max_tokens, engine.max_model_len)
-                     for p in prompts)
-    params = sampling_params(body, max_tokens, body.logprobs)
+    # per prompt, as in vLLM: max_tokens null gives each the rest of the context after it
+    params = [sampling_params(body, resolve_max_tokens(len(p), body.max_tokens,
+                                                       engine.max_model_len), body.logprobs)
+              for p in prompts]
     state.check_queue(engine)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    created, tokenizer, n = int(time.time()), engine.tokenizer, params.n
+    created, tokenizer, n = int(time.time()), engine.tokenizer, body.n
     outputs = merged_outputs(engine, prompts, params, request_id, state.metrics)
 
     if not body.stream:
@@ -112,6 +113,15 @@ async def create_completion(state: ServerState, body: CompletionRequest,
         raise bad_request(exc) from None
     tracker = DeltaTracker()
     finals: dict[int, RequestOutput] = {}
+    # Where each choice's next token starts in its token texts, as the non-streaming answer
+    # counts text_offset: the text sent so far lags the tokens while a stop string may follow.
+    offsets: dict[tuple[int, int], int] = {}
+
+    def logprobs_of(index: int, c: CompletionOutput, num_tokens: int) -> CompletionLogprobs:
+        start = offsets.get((index, c.index), 0)
+        logprobs = completion_logprobs(state, tokenizer, c, num_tokens, start)
+        offsets[(index, c.index)] = start + sum(len(token) for token in logprobs.tokens)
+        return logprobs
 
     def to_chunks(index: int, output: RequestOutput) -> Iterator[dict[str, Any]]:
         if output.finished:
@@ -121,8 +131,8 @@ async def create_completion(state: ServerState, body: CompletionRequest,
             if already is None:
                 continue
             num_chars, num_tokens = already
-            logprobs = (completion_logprobs(state, tokenizer, c, num_tokens, num_chars)
-                        if body.logprobs is not None else None)
+            logprobs = (logprobs_of(index, c, num_tokens) if body.logprobs is not None
+                        else None)
             yield {"id": request_id, "object": "text_completion", "created": created,
                    "model": state.model_name,
                    "choices": [{"index": index * n + c.index, "text": c.text[num_chars:],

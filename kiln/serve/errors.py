@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.engine.async_engine import EngineDeadError
+
 log = logging.getLogger("kiln.serve")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
@@ -124,6 +126,12 @@ def install_error_handlers(app: FastAPI) -> None:
         code = "not_found" if exc.status_code == 404 else None
         return error_response(APIError(exc.status_code, str(exc.detail), code=code),
                               headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        # A failed step or a shutdown ended the request: say why, as a stream's error event
+        # does (the engine has logged the traceback already).
+        return error_response(APIError(503, str(exc)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -35,8 +35,12 @@ def check_text(value: str, param: str) -> str:
     return value
 
 
-def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """The request's output budget; 400 (with both numbers) when it cannot fit the context."""
+def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                       param: str = "max_tokens") -> int:
+    """The request's output budget; 400 (with both numbers) when it cannot fit the context.
+
+    ``param`` is the request field that gave ``max_tokens`` (chat's max_completion_tokens).
+    """
     if num_prompt_tokens >= max_model_len:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, "
                             f"but the prompt has {num_prompt_tokens} tokens; shorten it to at "
@@ -49,16 +53,17 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, "
                             f"but {num_prompt_tokens + max_tokens} were requested "
                             f"({num_prompt_tokens} in the prompt, {max_tokens} to generate); "
-                            f"lower max_tokens to at most {room} or shorten the prompt",
-                       param="max_tokens", code="context_length_exceeded")
+                            f"lower {param} to at most {room} or shorten the prompt",
+                       param=param, code="context_length_exceeded")
     return max_tokens
 
 
 def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
-                    logprobs_field: str = "logprobs") -> SamplingParams:
+                    request_fields: Mapping[str, str] | None = None) -> SamplingParams:
     """SamplingParams from the fields both endpoints share; bad values -> 400 naming the field.
 
-    ``logprobs_field`` is the request field that gave ``logprobs`` (chat's top_logprobs).
+    ``request_fields`` maps SamplingParams fields to the request fields that gave them where
+    the names differ (chat's top_logprobs gives logprobs).
     """
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
@@ -81,7 +86,7 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output)
     except (ValueError, TypeError) as exc:
-        raise bad_request(exc, {"logprobs": logprobs_field}) from None
+        raise bad_request(exc, request_fields) from None
 
 
 def usage_of(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:
@@ -91,15 +96,19 @@ def usage_of(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usag
                  total_tokens=num_prompt + num_completion)
 
 
-async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
-                         request_id: str, metrics: ServerMetrics
+async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
+                         params: list[SamplingParams], request_id: str, metrics: ServerMetrics
                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield ``(prompt_index, cumulative output)`` for every prompt until all finish."""
+    """Yield ``(prompt_index, cumulative output)`` for every prompt until all finish.
+
+    ``params[i]`` samples ``prompts[i]`` (their max_tokens may differ: each prompt's own room).
+    """
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, prompt: list[int]) -> None:
         try:
-            async for output in engine.generate(prompt, params, f"{request_id}-{index}"):
+            async for output in engine.generate(prompt, params[index],
+                                                f"{request_id}-{index}"):
                 queue.put_nowait((index, output))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             queue.put_nowait((index, exc))
@@ -122,7 +131,7 @@ async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]], params: 
         for task in pumps:  # cancelling a pump leaves engine.generate early: it aborts
             task.cancel()
         if running:
-            metrics.observe_aborted(len(running) * params.n)
+            metrics.observe_aborted(sum(params[i].n for i in running))
         # Only waits for the aborts to land: when this consumer is itself being cancelled
         # (anyio cancels again at every await) the pumps still finish on their own.
         await asyncio.gather(*pumps, return_exceptions=True)

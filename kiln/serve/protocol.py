@@ -9,9 +9,9 @@ Unknown fields are ignored, as OpenAI clients send options this server does not 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -23,12 +23,29 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
+def _takes_default_for_null(model: type[BaseModel], name: str) -> bool:
+    field = model.model_fields.get(name)
+    return (field is not None and not field.is_required()
+            and type(None) not in get_args(field.annotation))
+
+
 Int = Annotated[int, BeforeValidator(_not_bool), Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenIds = list[Int]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI's spec marks n, stream, echo, chat's logprobs ... nullable, and many clients
+        # send null for "not set": such a field takes its default (as in vLLM). Fields whose
+        # type holds None keep it (completions' max_tokens: null asks for the whole context).
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or not _takes_default_for_null(cls, key)}
 
 
 class StreamOptions(_Body):
