@@ -19,14 +19,19 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from kiln.parallel import SINGLE, TPContext
 from kiln.quant.config import CONFIG_FILE, QuantConfig, on_the_fly_config
 from kiln.quant.kv_cache import set_kv_scales
-from kiln.quant.methods import install_methods, quantized_linears
+from kiln.quant.methods import (
+    check_tensors,
+    install_methods,
+    linear_configs,
+    make_method,
+    quantized_linears,
+)
 from kiln.quant.w8a8 import check_fp8_supported
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -45,10 +50,45 @@ def process_umask() -> int:
     return mask
 
 
+def check_quantized_as(model: nn.Module, cfg: QuantConfig) -> None:
+    """Refuse a model whose Linears do not hold ``cfg``'s tensors (``quantize_model`` with this
+    config did not run on it): the checkpoint written would not load."""
+    quantized = set()
+    for name, layer, layer_cfg in linear_configs(model, cfg):
+        quantized.add(name)
+        tensors = {n: t for n, t in [*layer.named_parameters(recurse=False),
+                                     *layer.named_buffers(recurse=False)] if n != "bias"}
+        try:
+            check_tensors(name, tensors, make_method(layer_cfg).tensor_spec(layer))
+        except ValueError as exc:
+            raise ValueError(f"the model is not quantized as cfg says ({cfg.name}): {exc}; "
+                             "run quantize_model(model, cfg) with this cfg first") from None
+    for name, layer in quantized_linears(model):
+        if name not in quantized and "weight" not in layer._parameters:
+            raise ValueError(f"cfg ({cfg.name}) keeps {name} dense, but the model's is "
+                             "quantized; save with the cfg quantize_model returned")
+
+
+def check_not_dense_checkpoint(out: Path) -> None:
+    """Refuse a directory holding a dense checkpoint (e.g. the model's own): its weights
+    would be overwritten, or left beside the new ones for the loader to read."""
+    if (out / "config.json").is_file() and not (out / CONFIG_FILE).is_file():
+        raise ValueError(f"{out} holds a dense checkpoint; saving there would overwrite or mix "
+                         "with its weights: choose a new or empty directory")
+
+
 def save_quantized(model: nn.Module, cfg: QuantConfig, out_dir: str | Path,
                    source_dir: str | Path | None = None) -> Path:
-    """Write ``model`` (quantized in place) to ``out_dir``; copies config/tokenizer files."""
+    """Write ``model`` (quantized in place by ``quantize_model(model, cfg)``) to ``out_dir``.
+
+    ``source_dir`` is the dense checkpoint's directory: its config.json, tokenizer and
+    generation files are copied. Without it the caller must add config.json, which loading
+    needs. A model not quantized as ``cfg`` says, or an ``out_dir`` holding a dense
+    checkpoint, is refused before anything is written.
+    """
     out = Path(out_dir)
+    check_quantized_as(model, cfg)
+    check_not_dense_checkpoint(out)
     out.mkdir(parents=True, exist_ok=True)
     tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
     # a tied dense head is the embedding's tensor: saved once (a quantized one has no .weight)
@@ -159,30 +199,36 @@ def load_quantized_weights(model: nn.Module, cfg: QuantConfig, files: list[Path]
     params = dict(model.named_parameters())
     required = {n for n in params if not (n.rpartition(".")[0] in linears
                                           and n.endswith(".weight"))}
+    # (imported here: the loader imports this module)
+    from kiln.models.loader import iter_safetensors
+
     per_layer: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     seen: set[str] = set()
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensor = handle.get_tensor(name)
-                owner, _, attr = name.rpartition(".")
-                if owner in linears and attr != "bias":
-                    per_layer[owner][attr] = tensor
-                    continue
-                if name not in required:
-                    raise ValueError(f"{f.name}: tensor {name!r} does not belong to this model")
-                param = params[name]
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"{f.name}: tensor {name!r} has shape "
-                                     f"{tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                param.data.copy_(tensor)
-                seen.add(name)
+    # iter_safetensors: a truncated or corrupt file is a one-line error naming it
+    for file_name, name, tensor in iter_safetensors(files):
+        owner, _, attr = name.rpartition(".")
+        if owner in linears and attr != "bias":
+            per_layer[owner][attr] = tensor
+            continue
+        if name not in required:
+            raise ValueError(f"{file_name}: tensor {name!r} does not belong to this model")
+        param = params[name]
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"{file_name}: tensor {name!r} has shape "
+                             f"{tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+        seen.add(name)
     missing = sorted(required - seen)
     if missing:
         raise ValueError(f"quantized checkpoint is missing {len(missing)} tensor(s): "
                          f"{', '.join(missing[:5])}")
     for name, layer in linears.items():
-        layer.method.set_tensors(layer, per_layer.get(name, {}), name)
+        try:
+            layer.method.set_tensors(layer, per_layer.get(name, {}), name)
+        except ValueError as exc:
+            raise ValueError(f"the weights do not match {CONFIG_FILE} ({cfg.name}): {exc}; the "
+                             "two files come from different runs or were edited: quantize the "
+                             "dense model again") from None
 
 
 def setup_quantization(model: nn.Module, path: Path | None, quantization: str | None,
@@ -200,7 +246,14 @@ def setup_quantization(model: nn.Module, path: Path | None, quantization: str | 
         if quantization is None:
             return False
         cfg = on_the_fly_config(quantization)
-        layers = install_methods(model, cfg)
+        try:
+            layers = install_methods(model, cfg)
+        except ValueError as exc:
+            # on the fly the format is fixed: the fix is another option or `kiln quantize`
+            raise ValueError(f"quantization={quantization!r} ({cfg.name}) cannot store this "
+                             f"model: {exc}. The on-the-fly formats are fixed: load with "
+                             "quantization='int8' or 'fp8', or write a checkpoint in a format "
+                             "that fits with `kiln quantize`") from None
         if cfg.scheme == "w8a8" and cfg.w8a8_dtype == "fp8" and layers:
             check_fp8_supported(layers[0][1].params_device)
         return False
@@ -213,7 +266,12 @@ def setup_quantization(model: nn.Module, path: Path | None, quantization: str | 
     if not files:
         raise ValueError(f"{path} is a quantized checkpoint: load_format='dummy' does not "
                          "apply; use --quantization with a dense model for dummy weights")
-    install_methods(model, pre)
+    try:
+        install_methods(model, pre)
+    except ValueError as exc:  # its format cannot store these layers: not this model's config
+        raise ValueError(f"{path / CONFIG_FILE} ({pre.name}) does not fit this model: {exc}; "
+                         "the checkpoint's files do not belong together: quantize the dense "
+                         "model again") from None
     load_quantized_weights(model, pre, files)
     set_kv_scales(model, pre.kv_cache_scales)
     return True

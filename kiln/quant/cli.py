@@ -109,6 +109,26 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
                                "choose another --out")
 
 
+def check_not_source(out_dir: str, model: str) -> None:
+    """Refuse an --out that is the --model directory: the quantized checkpoint would replace
+    the dense one it was made from (with --overwrite), losing the weights that any later
+    quantization needs."""
+    if Path(model).is_dir() and Path(out_dir).resolve() == Path(model).resolve():
+        raise click.UsageError(f"--out {out_dir} is the --model directory; the quantized "
+                               "checkpoint would replace the dense one: choose another --out")
+
+
+def check_dense_checkpoint(model: str, path: Path) -> None:
+    """Refuse a checkpoint that ``kiln quantize`` wrote: it holds codes, not the dense weights
+    a method rounds (and rounding rounded weights again only adds error)."""
+    from kiln.quant.checkpoint import read_quant_config
+
+    pre = read_quant_config(path)
+    if pre is not None:
+        raise ValueError(f"{model} is already quantized ({pre.name}); kiln quantize takes a "
+                         "dense checkpoint: pass the dense model it was made from as --model")
+
+
 def check_seq_len(ctx: click.Context, seq_len: int, model: str, path: Path) -> int:
     """--seq-len within the context of the model at ``path`` (its config.json, before loading):
     an explicit one past it is an error, the default is capped to it."""
@@ -181,6 +201,7 @@ def quantize_cmd(ctx: click.Context, model: str, method: str, bits: str, group_s
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     check_out_dir(out_dir, overwrite)
+    check_not_source(out_dir, model)
     try:
         staged = StagedDir(out_dir)
     except OSError as exc:
@@ -192,6 +213,7 @@ def quantize_cmd(ctx: click.Context, model: str, method: str, bits: str, group_s
     with staged as staging:
         try:
             path = resolve_model_path(model)
+            check_dense_checkpoint(model, path)
             seq_len = check_seq_len(ctx, seq_len, model, path)
             loaded = load_model(str(path), dtype=dtype, device=device, seed=seed)
             before = model_size_bytes(loaded.model)

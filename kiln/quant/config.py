@@ -37,6 +37,11 @@ WEIGHT_GRANULARITIES = ("tensor", "channel")
 ACTIVATION_SCHEMES = ("dynamic", "static")
 GROUP_SIZES = (-1, 32, 64, 128)  # -1: one group per output channel
 OBSERVERS = ("minmax", "percentile", "entropy", "mse")
+# the fields that say how the tensors are laid out: every config Kiln wrote has them, so a
+# missing one is a damaged file, named as such rather than guessed from the default (a wrong
+# guess failed later on tensor shapes, far from the cause)
+LAYOUT_FIELDS = ("method", "scheme", "bits", "group_size", "symmetric", "act_order",
+                 "w8a8_dtype", "weight_granularity", "activation_scheme")
 
 
 def _check(name: str, value: Any, choices: tuple) -> None:
@@ -126,13 +131,16 @@ class QuantConfig:
                              "or -1 (per channel)")
         if self.bits == 4 and in_features % 8:
             raise ValueError(f"4-bit packing needs in_features divisible by 8; {what} has "
-                             f"{in_features}")
+                             f"{in_features}: use 8 bits (per channel, not packed)")
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, **dataclasses.asdict(self)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], source: str = "quantization config") -> QuantConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}; "
+                             "rewrite it with `kiln quantize`")
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"{source}: format={data.get('format')!r} is not a Kiln quantization "
                              f"config (expected {FORMAT_NAME!r})")
@@ -143,6 +151,10 @@ class QuantConfig:
         unknown = sorted(set(data) - names - {"format", "version"})
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}")
+        missing = [name for name in LAYOUT_FIELDS if name not in data]
+        if missing:
+            raise ValueError(f"{source}: missing field(s) {', '.join(missing)}; the file is "
+                             "incomplete: rewrite it with `kiln quantize`")
         fields = {k: v for k, v in data.items() if k in names}
         # configs written before lm_head_bits existed kept the LM head dense
         fields.setdefault("lm_head_bits", None)

@@ -57,8 +57,10 @@ def _set(layer: Linear, tensors: dict[str, torch.Tensor | None]) -> None:
         layer.register_buffer(name, tensor)
 
 
-def _check(what: str, tensors: dict[str, torch.Tensor],
-           spec: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]) -> None:
+def check_tensors(what: str, tensors: dict[str, torch.Tensor],
+                  spec: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]) -> None:
+    """Raise unless ``tensors`` are exactly ``spec``'s names, shapes and dtypes (no dtypes:
+    any float)."""
     missing = sorted(set(spec) - set(tensors))
     unknown = sorted(set(tensors) - set(spec))
     if missing or unknown:
@@ -98,7 +100,7 @@ class WeightOnlyMethod:
         self.set_tensors(layer, {k: v for k, v in tensors.items() if v is not None}, "layer")
 
     def set_tensors(self, layer: Linear, tensors: dict[str, torch.Tensor], what: str) -> None:
-        _check(what, tensors, self.tensor_spec(layer))
+        check_tensors(what, tensors, self.tensor_spec(layer))
         _set(layer, {
             "qweight": tensors["qweight"],
             "scales": tensors["scales"].to(layer.params_dtype),
@@ -153,7 +155,7 @@ class W8A8Method:
         return spec
 
     def set_tensors(self, layer: Linear, tensors: dict[str, torch.Tensor], what: str) -> None:
-        _check(what, tensors, self.tensor_spec(layer))
+        check_tensors(what, tensors, self.tensor_spec(layer))
         if self.kind == "fp8":
             check_fp8_supported(layer.params_device)
         _set(layer, {
@@ -254,5 +256,5 @@ def install_methods(model: torch.nn.Module, cfg: QuantConfig) -> list[tuple[str,
     return [(name, layer) for name, layer, _ in layers]
 
 
-__all__ = ["FP8_DTYPE", "QuantMethod", "W8A8Method", "WeightOnlyMethod", "install_methods",
-           "linear_configs", "make_method", "quantized_linears"]
+__all__ = ["FP8_DTYPE", "QuantMethod", "W8A8Method", "WeightOnlyMethod", "check_tensors",
+           "install_methods", "linear_configs", "make_method", "quantized_linears"]

@@ -48,6 +48,17 @@ def collect_stats(model: nn.Module, ids: torch.Tensor, batch_size: int = 4
         channel_max=True, channel_mean=True, hessian=True, num_samples=AWQ_ROWS), batch_size)
 
 
+def check_dense(layers: list[tuple[str, nn.Module, QuantConfig]]) -> None:
+    """Refuse Linears that hold no dense weight: rounding them again would need the weights
+    they were rounded from (the model came quantized, from a checkpoint or the on-the-fly
+    ``quantization`` option, or went through ``quantize_model`` already)."""
+    done = [name for name, layer, _ in layers if "weight" not in layer._parameters]
+    if done:
+        raise ValueError(f"the model is already quantized ({done[0]} holds no dense weight); "
+                         "quantize_model needs the dense model: load the dense checkpoint "
+                         "(without quantization) and quantize that")
+
+
 def quantize_model(model: nn.Module, cfg: QuantConfig, ids: torch.Tensor | None = None,
                    batch_size: int = 4, kv_scales: bool = True,
                    stats: dict[str, LinearStats] | None = None) -> QuantConfig:
@@ -63,6 +74,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, ids: torch.Tensor | None 
     skip the statistics pass. Returns ``cfg`` with ``kv_cache_scales`` filled in.
     """
     layers = linear_configs(model, cfg)
+    check_dense(layers)
     if needs_calibration(cfg) and ids is None:
         raise ValueError(f"method={cfg.method!r} (activations {cfg.activation_scheme}) needs "
                          "calibration data")

@@ -166,6 +166,10 @@ def check_fp8_supported(device: torch.device) -> None:
         return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
+        # the same check guards loading an FP8 checkpoint, quantizing to FP8 and on-the-fly
+        # FP8: the fix names the 8-bit formats this GPU runs, for each of those routes
         raise ValueError(f"FP8 W8A8 needs a GPU with compute capability >= 8.9 (Ada or Hopper); "
-                         f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}. Use "
-                         f"--quantization int8 (W8A16) or w8a8-int8 instead")
+                         f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}. Use an "
+                         "8-bit format it runs: on the dense model --quantization int8 (W8A16) "
+                         "or w8a8-int8, or a checkpoint from `kiln quantize --method rtn --bits "
+                         "8` or `--method smoothquant` (INT8 W8A8); or run on the CPU")

@@ -65,7 +65,9 @@ def test_on_the_fly_quantization(tiny_llama, name, bound):
 
 def test_load_errors(tiny_llama, tmp_path):
     # kiln-tiny's hidden size 64 is not a multiple of int4's default group of 128
-    with pytest.raises(ValueError, match="group_size=128 does not divide in_features=64"):
+    with pytest.raises(ValueError, match="group_size=128 does not divide in_features=64.*"
+                                         "The on-the-fly formats are fixed: load with "
+                                         "quantization='int8' or 'fp8'"):
         load_model(str(tiny_llama), device="cpu", quantization="int4")
     with pytest.raises(ValueError, match="quantization='nf4' is not supported"):
         load_model(str(tiny_llama), device="cpu", quantization="nf4")
@@ -121,3 +123,52 @@ def test_cli_quantize_then_load(tiny_llama, calib_file, tmp_path):
                                             "--bits", "8", "--group-size", "32", "--out",
                                             str(tmp_path / "x"), "--device", "cpu"])
     assert bad.exit_code != 0 and "per output channel" in bad.output
+
+
+def test_quantizing_a_quantized_model_is_refused(tiny_llama):
+    dense = load_model(str(tiny_llama), device="cpu")
+    quantize_model(dense.model, QuantConfig(method="rtn", group_size=32))
+    with pytest.raises(ValueError, match="the model is already quantized .*load the dense "
+                                         "checkpoint"):
+        quantize_model(dense.model, QuantConfig(method="rtn", bits=8, group_size=-1))
+    on_the_fly = load_model(str(tiny_llama), device="cpu", quantization="int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(on_the_fly.model, QuantConfig(method="rtn", group_size=32))
+
+
+def test_save_refuses_what_would_not_load(tiny_llama, tmp_path):
+    dense = load_model(str(tiny_llama), device="cpu")
+    w8 = QuantConfig(method="rtn", bits=8, group_size=-1)
+    with pytest.raises(ValueError, match="not quantized as cfg says .*run quantize_model"):
+        save_quantized(dense.model, w8, tmp_path / "q", tiny_llama)  # quantize_model never ran
+    quantize_model(dense.model, QuantConfig(method="rtn", group_size=32))
+    with pytest.raises(ValueError, match="not quantized as cfg says"):
+        save_quantized(dense.model, w8, tmp_path / "q", tiny_llama)  # another config
+    assert not (tmp_path / "q").exists()
+    # into the dense checkpoint itself: its weights would be overwritten
+    before = {p.name: p.read_bytes() for p in tiny_llama.iterdir() if p.is_file()}
+    with pytest.raises(ValueError, match="holds a dense checkpoint; .*new or empty directory"):
+        save_quantized(dense.model, QuantConfig(method="rtn", group_size=32), tiny_llama,
+                       tiny_llama)
+    assert {p.name: p.read_bytes() for p in tiny_llama.iterdir() if p.is_file()} == before
+
+
+def test_damaged_checkpoint_errors_name_the_problem(tiny_llama, tmp_path):
+    dense = load_model(str(tiny_llama), device="cpu")
+    cfg = quantize_model(dense.model, QuantConfig(method="rtn", group_size=32))
+    out = save_quantized(dense.model, cfg, tmp_path / "q", tiny_llama)
+    config = json.loads((out / CONFIG_FILE).read_text())
+    (out / CONFIG_FILE).write_text(json.dumps({**config, "bits": 8, "group_size": -1}))
+    with pytest.raises(ValueError, match=rf"weights do not match {CONFIG_FILE} \(W8A16 .*"
+                                         "quantize the dense model again"):
+        load_model(str(out), device="cpu")
+    (out / CONFIG_FILE).write_text(json.dumps({**config, "group_size": 64}))  # 64 / 96
+    with pytest.raises(ValueError, match=rf"{CONFIG_FILE} \(W4A16 g64 sym \(rtn\)\) does not "
+                                         "fit this model: group_size=64 does not divide .*"
+                                         "quantize the dense model again"):
+        load_model(str(out), device="cpu")
+    (out / CONFIG_FILE).write_text(json.dumps(config))
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        load_model(str(out), device="cpu")

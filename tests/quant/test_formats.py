@@ -161,4 +161,30 @@ def test_fp8_refused_on_gpu_without_fp8(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ValueError, match="compute capability >= 8.9.*A100 is sm_80"):
         check_fp8_supported(torch.device("cuda"))
+    # an FP8 checkpoint refuses --quantization: the fix names a checkpoint format too
+    with pytest.raises(ValueError, match="--quantization int8 \\(W8A16\\) or w8a8-int8, or a "
+                                         "checkpoint from `kiln quantize --method rtn --bits 8` "
+                                         "or `--method smoothquant`"):
+        check_fp8_supported(torch.device("cuda"))
     check_fp8_supported(torch.device("cpu"))  # the reference path
+
+
+def test_4bit_packing_error_names_the_fix():
+    with pytest.raises(ValueError, match="down_proj has 100: use 8 bits"):
+        QuantConfig(method="rtn", group_size=-1).check_layer(100, "down_proj")
+
+
+@pytest.mark.parametrize("field", ["bits", "group_size", "symmetric", "scheme"])
+def test_config_missing_a_layout_field_is_refused(field):
+    """A missing field is named, not replaced by its default (which then failed on the
+    tensors' shapes, or loaded when the guess happened to be right)."""
+    data = QuantConfig(method="gptq", group_size=64, symmetric=False).to_json()
+    del data[field]
+    with pytest.raises(ValueError, match=f"q.json: missing field\\(s\\) {field}; the file is "
+                                         "incomplete"):
+        QuantConfig.from_json(data, source="q.json")
+
+
+def test_config_that_is_no_json_object_is_refused():
+    with pytest.raises(ValueError, match="q.json: expected a JSON object, got list"):
+        QuantConfig.from_json([1, 2], source="q.json")

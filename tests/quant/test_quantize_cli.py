@@ -152,3 +152,22 @@ def test_default_seq_len_is_capped_at_a_shorter_context(tmp_path, calib_file):
     assert result.exit_code == 0, result.output
     saved = json.loads((tmp_path / "q" / CONFIG_FILE).read_text())
     assert saved["calibration"]["seq_len"] == 256
+
+
+def test_out_that_is_the_model_is_refused(tiny_llama, no_loading):
+    """--overwrite would replace the dense checkpoint with its quantized copy."""
+    result = quantize(tiny_llama, tiny_llama, "--method", "rtn", "--overwrite")
+    assert result.exit_code == 2
+    assert "is the --model directory; the quantized checkpoint would replace the dense one: " \
+           "choose another --out" in " ".join(result.output.split())
+    assert (tiny_llama / "model.safetensors").is_file()
+
+
+def test_quantized_checkpoint_as_model_is_refused(tiny_llama, calib_file, tmp_path):
+    first = quantize(tiny_llama, tmp_path / "q", *fast_rtn(calib_file))
+    assert first.exit_code == 0, first.output
+    again = quantize(tmp_path / "q", tmp_path / "q2", *fast_rtn(calib_file))
+    assert again.exit_code == 1
+    assert "is already quantized (W8A16 channel sym (rtn)); kiln quantize takes a dense " \
+           "checkpoint" in " ".join(again.output.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # nothing half-written
