@@ -196,7 +196,13 @@ def load_tokenizer(path: Path) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:  # transformers' own message is about its internals
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path}: its tokenizer does not load ({reason}); Kiln needs the fast "
+                         "tokenizer's tokenizer.json beside tokenizer_config.json: copy both from "
+                         "the model this directory came from") from None
 
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto", load_format: str = "auto",

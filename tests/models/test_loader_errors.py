@@ -133,3 +133,12 @@ def test_dummy_load_needs_only_config(model_copy):
     loaded = load_model(str(model_copy), device="cpu", load_format="dummy")
     logits = loaded.model.full_logits(torch.tensor([[1, 2, 3]]))
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_missing_tokenizer_json_says_which_file(model_copy):
+    """tokenizer_config.json without tokenizer.json: transformers' message is about converting
+    slow tokenizers; Kiln's names the file to copy."""
+    assert (model_copy / "tokenizer_config.json").is_file()
+    (model_copy / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"tokenizer does not load .*tokenizer\.json"):
+        load_model(str(model_copy), device="cpu")
