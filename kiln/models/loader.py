@@ -199,7 +199,8 @@ def load_tokenizer(path: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:  # transformers' own message is about its internals
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        reason = reason if len(reason) <= 120 else reason[:117] + "..."
         raise ValueError(f"{path}: its tokenizer does not load ({reason}); Kiln needs the fast "
                          "tokenizer's tokenizer.json beside tokenizer_config.json: copy both from "
                          "the model this directory came from") from None
