@@ -92,11 +92,27 @@ class QuantConfig:
             if self.method in ("awq", "gptq"):
                 raise ValueError(f"method={self.method!r} produces weight-only integers; "
                                  "use scheme='wint'")
+            # W8A8 is 8 bits per channel with a dense LM head: a weight-only value other than
+            # the default or that is a mistake, not something to round silently
+            for name, allowed in (("bits", (4, 8)), ("group_size", (128, -1)),
+                                  ("lm_head_bits", (8, None))):
+                if getattr(self, name) not in allowed:
+                    raise ValueError(f"{name}={getattr(self, name)!r} is a weight-only setting; "
+                                     "scheme='w8a8' is 8-bit per channel: drop it")
             self.bits, self.group_size, self.lm_head_bits = 8, -1, None
         _check("observer", self.observer, OBSERVERS)
+        if self.observer != "minmax" and (self.scheme == "wint"
+                                          or self.activation_scheme == "dynamic"):
+            raise ValueError(f"observer={self.observer!r} picks static activation scales; this "
+                             "config has none: use scheme='w8a8' with activation_scheme='static'"
+                             " or drop it")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha} (SmoothQuant migration strength) must be in "
                              "[0, 1]")
+        if self.alpha != 0.5 and self.method != "smoothquant":
+            raise ValueError(f"alpha is SmoothQuant's migration strength; method="
+                             f"{self.method!r} does not use it: use method='smoothquant' or "
+                             "drop it")
         if self.act_order and self.method != "gptq":
             raise ValueError("act_order is a GPTQ option; use method='gptq'")
 

@@ -87,6 +87,12 @@ def test_w8_weight_quantization(kind, granularity):
     (dict(method="awq", act_order=True), "act_order is a GPTQ option"),
     (dict(bits=8, group_size=-1, lm_head_bits=4), r"lm_head_bits=4: .*\(bits=8\)"),
     (dict(lm_head_bits=16), "lm_head_bits=16"),
+    # options the format does not use are refused, not silently dropped or rounded
+    (dict(method="fp8", scheme="w8a8", bits=2), "bits=2 is a weight-only setting"),
+    (dict(method="fp8", scheme="w8a8", group_size=64), "group_size=64 is a weight-only"),
+    (dict(method="rtn", alpha=0.8), "method='rtn' does not use it"),
+    (dict(method="awq", observer="entropy"), "observer='entropy' picks static"),
+    (dict(method="smoothquant", scheme="w8a8", observer="mse"), "observer='mse' picks static"),
 ])
 def test_config_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
