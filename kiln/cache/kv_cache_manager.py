@@ -218,16 +218,13 @@ class KVCacheManager:
     def swap_out(self, seq_ids: Sequence[Hashable]) -> list[tuple[int, int]]:
         """Move a group (e.g. forked siblings) to CPU; returns (gpu_block, cpu_block) pairs.
 
-        A GPU block shared inside the group gets one CPU block shared the same way.
+        A GPU block shared inside the group gets one CPU block shared the same way. A block
+        still waiting for its copy-on-write (a group preempting itself after some of its
+        sequences were allocated this step) is read from the copy's source instead: the copy
+        would run after the swap read it, and once its destination is freed it is moot.
         """
         if not self.can_swap_out(seq_ids):
             raise RuntimeError(f"swap_out: not enough free CPU blocks for {list(seq_ids)!r}")
-        pending_dst = {dst for _, dst in self._pending_copies}
-        for seq_id in seq_ids:
-            # The copy into such a block would run after the swap read it: preempt first.
-            assert not pending_dst.intersection(self._tables[seq_id]), (
-                f"swap_out: {seq_id!r} holds the destination of a pending copy-on-write"
-            )
         gpu_to_cpu: dict[int, int] = {}
         for seq_id in seq_ids:
             gpu_table = self._tables.pop(seq_id)
@@ -241,7 +238,11 @@ class KVCacheManager:
             for gpu in reversed(gpu_table):
                 self.gpu_pool.release(gpu)
             self._cpu_tables[seq_id] = cpu_table
-        return list(gpu_to_cpu.items())
+        copied_from = {dst: src for src, dst in self._pending_copies}
+        # the source is still referenced (it was shared) and swap-outs run first in the step
+        self._pending_copies = [(src, dst) for src, dst in self._pending_copies
+                                if dst not in gpu_to_cpu]
+        return [(copied_from.get(gpu, gpu), cpu) for gpu, cpu in gpu_to_cpu.items()]
 
     def can_swap_in(self, seq_ids: Iterable[Hashable], reserve: int = 0) -> bool:
         """Whether the group fits with ``reserve`` blocks still free after it."""

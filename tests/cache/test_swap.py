@@ -86,13 +86,18 @@ def test_free_swapped_sequence_returns_cpu_blocks():
     m.check_integrity()
 
 
-def test_swap_out_refuses_pending_copy_destination():
+def test_swap_out_reads_a_pending_copy_destination_from_its_source():
+    """A group preempting itself after some of its sequences copied on write this step: the
+    swap-out runs before the copies, so it reads the copy's source, and the copy is dropped."""
     m = KVCacheManager(8, 4, num_cpu_blocks=8)
     assert m.allocate_slots("p", 6, 0)
     m.fork("p", "c")
     assert m.allocate_slots("p", 7, 6)  # queues (1, 2), not yet executed
-    with pytest.raises(AssertionError, match="pending copy-on-write"):
-        m.swap_out(["p"])
+    assert m.block_table("p") == [0, 2]
+    assert m.swap_out(["p"]) == [(0, 0), (1, 1)]
+    assert m.take_pending_copies() == []
+    assert m.block_table("c") == [0, 1] and m.gpu_pool.ref_count(2) == 0
+    m.check_integrity()
 
 
 def test_can_swap_in_counts_revived_cached_blocks_but_not_shared_ones():

@@ -10,6 +10,7 @@ from engine_helpers import DeviceOps, make_engine, random_workload, run_all
 
 import kiln
 from kiln.engine import model_runner
+from kiln.engine.reference import reference_generate
 
 
 def test_prefix_cache_computes_only_new_tokens(tiny_llama):
@@ -182,6 +183,31 @@ def test_preempted_parallel_samples_resume_under_a_small_token_budget(tiny_llama
     roomy = make_engine(tiny_llama, max_num_batched_tokens=64, max_model_len=160)
     assert got == run_all(roomy, prompts, [params] * 3)
     assert small.kv.num_free_blocks == 24
+
+
+def test_parallel_samples_swap_themselves_out_halfway_through_copy_on_write(tiny_llama):
+    """Three samples' first decode copies their shared partial block on write: the first copy
+    takes the last free block, the second finds none, and the request (the newest) swaps
+    itself out with a copy still pending into its table. Its KV there is the copy's source."""
+    engine = make_engine(tiny_llama, block_size=32, num_kv_blocks=6, max_model_len=96,
+                         preemption_mode="swap", swap_space=0.001, async_scheduling=False)
+    prompts = [list(range(3, 73)), list(range(100, 133))]  # 3 blocks, then 2 shared by 3
+    params = [kiln.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              kiln.SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=7, ignore_eos=True,
+                                  logprobs=0)]
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    got = {o.request_id: o.outputs for o in engine.run_to_completion()}
+    assert engine.scheduler.num_swap_outs == 1
+    with torch.inference_mode():
+        ref = reference_generate(engine.loaded, prompts, params, engine.max_model_len)
+    for i, r in enumerate(ref):
+        for have, want in zip(got[str(i)], r.outputs, strict=True):
+            assert have.token_ids == want.token_ids
+            # the logprobs see the KV read back: they would differ had it missed the copy
+            assert have.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
+    assert engine.kv.num_free_blocks == 6
+    engine.kv.check_integrity()
 
 
 def test_sampling_runs_no_device_op_the_engine_did_not_run_at_start_up(tiny_llama, monkeypatch):
