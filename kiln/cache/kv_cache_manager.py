@@ -86,8 +86,12 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int],
+                     use_cache: bool = True) -> int:
         """Start a new sequence on the longest cached prefix; return the tokens it covers.
+
+        ``use_cache=False`` starts it empty (0), e.g. for prompt logprobs, which need every
+        position computed: registered all the same, so that a swap finds its (empty) table.
 
         Only blocks lying wholly inside token_ids[:-1] can match, so at least the last prompt
         token is always computed (it yields the logits to sample from), and since a match ends
@@ -97,7 +101,7 @@ class KVCacheManager:
         if seq_id in self._num_tokens:
             raise ValueError(f"match_prefix: sequence {seq_id!r} already exists")
         table = self._new_seq(seq_id)
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and use_cache):
             return 0
         hashes = self._block_hashes[seq_id]
         bs = self.block_size

@@ -194,9 +194,12 @@ class Scheduler:
                     or (admissible is not None and not admissible(request))):
                 break
             for seq in seqs:
-                if seq.num_computed_tokens == 0 and request.prompt_logprobs is None:
-                    # prompt logprobs need every position computed, so they skip the cache
-                    seq.num_computed_tokens = self.kv.match_prefix(seq.seq_id, seq.token_ids)
+                if seq.num_computed_tokens == 0:
+                    # Every sequence is registered, even one the budget leaves for a later
+                    # step (a readmitted n > 1 request): a swap preemption moves them all.
+                    # Prompt logprobs need every position computed, so they skip the cache.
+                    seq.num_computed_tokens = self.kv.match_prefix(
+                        seq.seq_id, seq.token_ids, use_cache=request.prompt_logprobs is None)
                     if request.metrics.first_token_time is None:
                         request.metrics.num_cached_tokens = seq.num_computed_tokens
             chunks = self._chunks(request, budget)
