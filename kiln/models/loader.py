@@ -10,19 +10,18 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from kiln.config import normalize_dtype
 from kiln.models.arch import ArchConfig, arch_from_hf_config
 from kiln.models.llama import LlamaForCausalLM
 from kiln.parallel import SINGLE, TPContext
 from kiln.quant.checkpoint import setup_quantization
+from kiln.safetensors_reader import iter_safetensors
 
 log = logging.getLogger("kiln.loader")
 
@@ -127,24 +126,6 @@ def safetensors_files(path: Path) -> list[Path]:
     hint = (f" (found {', '.join(pickled)}: pickled weights are never loaded; convert them to "
             "safetensors)") if pickled else ""
     raise FileNotFoundError(f"no *.safetensors weights in {path}{hint}")
-
-
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """Yield (file name, tensor name, tensor on CPU) for every tensor of every file."""
-    for f in files:
-        try:
-            handle = safe_open(str(f), framework="pt", device="cpu")
-        except Exception as exc:
-            raise ValueError(f"{f.name}: not a readable safetensors file ({exc}); the file may be "
-                             f"truncated or corrupt") from exc
-        with handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                try:
-                    tensor = handle.get_tensor(name)
-                except Exception as exc:
-                    raise ValueError(f"{f.name}: tensor {name!r} cannot be read ({exc}); the file "
-                                     f"may be truncated") from exc
-                yield f.name, name, tensor
 
 
 def load_checkpoint_weights(model: LlamaForCausalLM, files: list[Path]) -> None:

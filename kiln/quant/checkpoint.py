@@ -33,6 +33,7 @@ from kiln.quant.methods import (
     quantized_linears,
 )
 from kiln.quant.w8a8 import check_fp8_supported
+from kiln.safetensors_reader import iter_safetensors
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
@@ -199,9 +200,6 @@ def load_quantized_weights(model: nn.Module, cfg: QuantConfig, files: list[Path]
     params = dict(model.named_parameters())
     required = {n for n in params if not (n.rpartition(".")[0] in linears
                                           and n.endswith(".weight"))}
-    # (imported here: the loader imports this module)
-    from kiln.models.loader import iter_safetensors
-
     per_layer: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     seen: set[str] = set()
     # iter_safetensors: a truncated or corrupt file is a one-line error naming it
