@@ -70,40 +70,44 @@ class Sequence:
             if logprob is not None:
                 entry[token_id] = logprob
             self.logprobs.append(entry)
+        params = self.params
+        if len(self.output_token_ids) >= params.min_tokens:
+            # the stop token's own text is dropped, so it never reaches the detokenizer: what the
+            # tokens before it still hold back (an unfinished character) is flushed instead
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return self._finish_flushed("stop", None)
+            if token_id in params.stop_token_ids:
+                return self._finish_flushed("stop", token_id)
         delta = self.detokenizer.add([token_id]) if self.detokenizer is not None else ""
-        return self._check_stop(token_id, delta)
+        return self._check_stop(delta)
 
-    def _check_stop(self, token_id: int, delta: str) -> str:
+    def _check_stop(self, delta: str) -> str:
         params = self.params
         num_out = len(self.output_token_ids)
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return self._finish("stop", None, "")  # the stop token's own text is dropped
-            if token_id in params.stop_token_ids:
-                return self._finish("stop", token_id, "")
-            if self.stop_checker is not None:
-                delta, stopped, matched = self.stop_checker.feed(delta)
-                if stopped:
-                    self.text += delta
-                    self.finish_reason, self.stop_reason = "stop", matched
-                    return delta
+        if num_out >= params.min_tokens and self.stop_checker is not None:
+            delta, stopped, matched = self.stop_checker.feed(delta)
+            if stopped:
+                self.text += delta
+                self.finish_reason, self.stop_reason = "stop", matched
+                return delta
         if (params.max_tokens is not None and num_out >= params.max_tokens) \
                 or self.num_tokens >= self.max_model_len:
-            return self._finish_length(delta)
+            return self._finish_flushed("length", None, delta)
         self.text += delta
         return delta
 
-    def _finish_length(self, delta: str) -> str:
+    def _finish_flushed(self, reason: str, stop_reason: int | str | None, delta: str = "") -> str:
         # bytes of an unfinished character are released as decode() shows them (U+FFFD), and may
-        # still complete a stop string
+        # still complete a stop string (not before min_tokens: max_model_len can cut earlier)
         tail = self.detokenizer.flush() if self.detokenizer is not None else ""
-        if tail and self.stop_checker is not None:
+        if tail and self.stop_checker is not None \
+                and len(self.output_token_ids) >= self.params.min_tokens:
             tail, stopped, matched = self.stop_checker.feed(tail)
             if stopped:
                 self.text += delta + tail
                 self.finish_reason, self.stop_reason = "stop", matched
                 return delta + tail
-        return self._finish("length", None, delta + tail)
+        return self._finish(reason, stop_reason, delta + tail)
 
     def _finish(self, reason: str, stop_reason: int | str | None, delta: str) -> str:
         if self.stop_checker is not None:

@@ -45,9 +45,12 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
-        # A prompt that ends inside a character cannot serve as clean context.
-        if context and self._decode(context).endswith(_REPLACEMENT):
-            context = []
+        # A context that decodes to a trailing U+FFFD cannot serve: drop its oldest tokens until
+        # it decodes cleanly. The window may start inside a character, and byte-fallback
+        # decoders (SentencePiece) then turn the whole run of byte tokens into U+FFFD; a prompt
+        # that itself ends inside a character leaves no context at all.
+        while context and self._decode(context).endswith(_REPLACEMENT):
+            del context[0]
         self._num_context = len(context)
         self._ids: list[int] = context  # context tokens, then output tokens
         self.prefix_offset = 0
