@@ -14,7 +14,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +40,13 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Hand ``item`` to the reader's event loop; False if that loop is closed."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed": the reader is gone for good
+            return False
+        return True
 
 
 class AsyncEngine:
@@ -51,6 +56,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
+        self._num_unqueued = 0  # handed to the step thread, not yet in the scheduler's queue
         self._ids = itertools.count()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
@@ -73,13 +79,32 @@ class AsyncEngine:
         return len(self._streams)
 
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
+        """Requests not yet scheduled: the scheduler's queue and those still on their way to it.
+
+        The step thread queues new requests only between steps, so a burst that arrives during
+        a step would otherwise all see the queue it left behind (and pass any bound on it).
+        """
+        with self._streams_lock:
+            return len(self.engine.scheduler.waiting) + self._num_unqueued
 
     async def generate(self, prompt: PromptLike, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs as tokens arrive; the last one has ``finished=True``.
 
         Bad input raises ValueError before anything is queued.
+        """
+        outputs = self.submit(prompt, params, request_id)
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            await outputs.aclose()  # leaving early aborts the request
+
+    def submit(self, prompt: PromptLike, params: SamplingParams,
+               request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """``generate``, but the request is handed over (and counts in ``num_waiting``) before
+        this returns. The caller must iterate or close the result, or ``abort`` the request:
+        an iterator never started cannot abort on its own.
         """
         if self._stopping:
             raise EngineDeadError("the engine is shutting down")
@@ -90,7 +115,12 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
+            self._num_unqueued += 1
         self._send(("add", request))
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream
+                       ) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
@@ -133,14 +163,19 @@ class AsyncEngine:
                     stream.put(output)
 
     def _add(self, request: Request) -> None:
-        if request.request_id not in self._streams:  # aborted before it was queued
-            return
-        try:
-            self.engine.enqueue(request)
-        except ValueError as exc:
+        error = None
+        with self._streams_lock:  # num_waiting counts it in exactly one place at any time
+            self._num_unqueued -= 1
+            if request.request_id not in self._streams:  # aborted before it was queued
+                return
+            try:
+                self.engine.enqueue(request)
+            except ValueError as exc:
+                error = exc
+        if error is not None:
             stream = self._take_stream(request.request_id)
             if stream is not None:
-                stream.put(exc)
+                stream.put(error)
 
     def _loop(self) -> None:
         with frozen_heap():  # the server's start-up heap, for the thread's lifetime
@@ -163,8 +198,10 @@ class AsyncEngine:
             for output in outputs:
                 stream = (self._take_stream(output.request_id) if output.finished
                           else self._streams.get(output.request_id))
-                if stream is not None:
-                    stream.put(output)
+                if stream is not None and not stream.put(output) and not output.finished:
+                    # its loop closed before it could abort: nobody will ever read it
+                    self._take_stream(output.request_id)
+                    self.engine.abort_request(output.request_id)
             if self.engine.num_scheduled_last_step == 0:
                 self._wakeup.wait(timeout=BLOCKED_WAIT_S)
                 self._wakeup.clear()

@@ -40,6 +40,7 @@ from kiln.serve.protocol import (
     TokenizeResponse,
 )
 from kiln.serve.state import ServerState
+from kiln.serve.streaming import sse
 
 log = logging.getLogger("kiln.serve")
 
@@ -71,11 +72,16 @@ class _Gate:
             return
         path: str = scope["path"]
         status = 500  # if the app dies before starting a response, that is what the client sees
+        started = ended = event_stream = False
 
         async def send_and_record(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started, ended, event_stream
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
+                event_stream = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                                   for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
             await send(message)
 
         try:
@@ -92,6 +98,16 @@ class _Gate:
                 raise
             # uvicorn cancels what outlives the shutdown grace period; one line, no traceback
             log.warning("%s cut off: the shutdown grace period ran out", path)
+            # Tell the client why, in OpenAI's shape, rather than leave uvicorn to answer a bare
+            # 500 or cut a stream mid-body (the engine requests are aborted already).
+            error = error_body(503, "the server shut down before this request finished")
+            with contextlib.suppress(Exception):  # the client may be gone too
+                if not started:
+                    await ErrorJSONResponse(error, status_code=503)(scope, receive,
+                                                                    send_and_record)
+                elif event_stream and not ended:
+                    await send_and_record({"type": "http.response.body",
+                                           "body": sse(error).encode(), "more_body": False})
         finally:
             self.state.metrics.http_requests.labels(_endpoint_label(path), str(status)).inc()
 

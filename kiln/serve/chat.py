@@ -120,10 +120,10 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     num_top = body.top_logprobs or 0
     params = sampling_params(body, max_tokens, num_top if body.logprobs else None,
                              {"logprobs": "top_logprobs", "max_tokens": max_field})
-    state.check_queue(engine)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created, tokenizer = int(time.time()), engine.tokenizer
-    outputs = merged_outputs(engine, [prompt], [params], request_id, state.metrics)
+    outputs = merged_outputs(engine, [prompt], [params], request_id, state.metrics,
+                             admit=lambda: state.check_queue(engine))
 
     def logprobs_of(choice: CompletionOutput, start: int) -> ChoiceLogprobs | None:
         return _logprobs(state, tokenizer, choice, start, num_top) if body.logprobs else None

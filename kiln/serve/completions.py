@@ -87,10 +87,10 @@ async def create_completion(state: ServerState, body: CompletionRequest,
     params = [sampling_params(body, resolve_max_tokens(len(p), body.max_tokens,
                                                        engine.max_model_len), body.logprobs)
               for p in prompts]
-    state.check_queue(engine)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created, tokenizer, n = int(time.time()), engine.tokenizer, body.n
-    outputs = merged_outputs(engine, prompts, params, request_id, state.metrics)
+    outputs = merged_outputs(engine, prompts, params, request_id, state.metrics,
+                             admit=lambda: state.check_queue(engine))
 
     if not body.stream:
         try:

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kiln.engine.async_engine import EngineDeadError
 
@@ -123,6 +124,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's 400 for an unread body:
+            # the client left while sending it, so it is not a bad request (499, as nginx logs)
+            return error_response(APIError(499, "client closed the request"))
         code = "not_found" if exc.status_code == 404 else None
         return error_response(APIError(exc.status_code, str(exc.detail), code=code),
                               headers=getattr(exc, "headers", None))

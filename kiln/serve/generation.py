@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -97,43 +97,55 @@ def usage_of(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usag
 
 
 async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
-                         params: list[SamplingParams], request_id: str, metrics: ServerMetrics
+                         params: list[SamplingParams], request_id: str, metrics: ServerMetrics,
+                         admit: Callable[[], None] | None = None
                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield ``(prompt_index, cumulative output)`` for every prompt until all finish.
 
     ``params[i]`` samples ``prompts[i]`` (their max_tokens may differ: each prompt's own room).
+    ``admit`` (the 429 check) runs in the same event-loop step that hands every prompt to the
+    engine, so a burst of requests cannot all pass it before any of them is counted.
     """
+    if admit is not None:
+        admit()
+    ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+    streams: list[AsyncIterator[RequestOutput]] = []
+    try:  # a prompt the engine rejects (ValueError) raises here, before any output
+        for prompt, p, engine_id in zip(prompts, params, ids, strict=True):
+            streams.append(engine.submit(prompt, p, engine_id))
+    except BaseException:
+        for engine_id in ids[:len(streams)]:
+            engine.abort(engine_id)
+        raise
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, prompt: list[int]) -> None:
+    async def pump(index: int) -> None:
         try:
-            async for output in engine.generate(prompt, params[index],
-                                                f"{request_id}-{index}"):
+            async for output in streams[index]:
                 queue.put_nowait((index, output))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             queue.put_nowait((index, exc))
 
-    # All pumps run their add_request in this loop iteration, before any output can arrive,
-    # so a prompt the engine rejects is the first item the consumer sees.
-    pumps = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    pumps = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
     running = set(range(len(prompts)))
     try:
         while running:
             index, item = await queue.get()
             if isinstance(item, Exception):
-                running.discard(index)
                 raise item
             if item.finished:
                 running.discard(index)
                 metrics.observe_finished(item)
             yield index, item
     finally:
-        for task in pumps:  # cancelling a pump leaves engine.generate early: it aborts
+        for index in running:  # (a pump cancelled before it started cannot abort by itself)
+            engine.abort(ids[index])
+        for task in pumps:
             task.cancel()
-        if running:
+        if running:  # aborted here, or failed in the engine (which aborted them)
             metrics.observe_aborted(sum(params[i].n for i in running))
-        # Only waits for the aborts to land: when this consumer is itself being cancelled
-        # (anyio cancels again at every await) the pumps still finish on their own.
+        # Only waits for the pumps to stop: when this consumer is itself being cancelled
+        # (anyio cancels again at every await) they still finish on their own.
         await asyncio.gather(*pumps, return_exceptions=True)
 
 

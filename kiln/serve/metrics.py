@@ -94,8 +94,9 @@ class ServerMetrics:
         # Per sample, as vLLM counts its request_success (one per finished sequence); the
         # histograms below observe each prompt's engine request once, whatever its n.
         self.request_success = Counter(
-            "kiln:request_success", "Finished samples by finish reason (stop, length, abort, "
-            "error): one per choice, so n=3 adds 3 here and 1 to the per-request histograms.",
+            "kiln:request_success", "Finished samples by finish reason (stop, length, abort; "
+            "a failed engine step aborts): one per choice, so n=3 adds 3 here and 1 to the "
+            "per-request histograms.",
             ["model_name", "finished_reason"], registry=reg)
         self.http_requests = Counter(
             "kiln:http_requests", "HTTP responses by endpoint and status code.",
