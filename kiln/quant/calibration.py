@@ -79,6 +79,10 @@ class LinearStats:
 
     def update(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
+        if not bool(torch.isfinite(x).all()):
+            # max / mean / X^T X would carry it into NaN scales or a failed Cholesky far away
+            raise ValueError("a Linear's calibration input holds NaN or inf (the dense model "
+                             "overflows on the calibration data?); statistics need finite values")
         a = x.abs()
         if self.channel_max:
             m = a.amax(0)

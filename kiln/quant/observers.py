@@ -21,13 +21,23 @@ NUM_BINS = 2048
 QMAX = {"int8": 127.0, "fp8": 448.0}
 
 
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x|, refusing NaN and inf: max() would skip a NaN batch silently, an inf range is
+    useless, and the histograms could not place either."""
+    a = x.detach().abs()
+    if not bool(torch.isfinite(a).all()):
+        raise ValueError("calibration values hold NaN or inf (the dense model overflows on "
+                         "the calibration data?); a range cannot be chosen from them")
+    return a
+
+
 class MinMaxObserver:
     def __init__(self) -> None:
         self.max = 0.0
 
     def update(self, x: torch.Tensor) -> None:
         if x.numel():
-            self.max = max(self.max, float(x.detach().abs().max()))
+            self.max = max(self.max, float(_finite_abs(x).max()))
 
     def amax(self) -> float:
         return self.max
@@ -40,7 +50,7 @@ class HistogramObserver(MinMaxObserver):
         self.range = 0.0
 
     def update(self, x: torch.Tensor) -> None:
-        a = x.detach().abs().float().flatten()
+        a = _finite_abs(x).float().flatten()
         if not a.numel():
             return
         top = float(a.max())
@@ -82,9 +92,9 @@ class EntropyObserver(HistogramObserver):
         if last <= self.num_levels:
             return self.max
         best_kl, best_i = np.inf, last
-        # TensorRT tries every bin; a stride keeping ~256 candidates loses < 0.5% of the range
-        stride = max(1, (last - self.num_levels) // 256)
-        for i in range(self.num_levels, last + 1, stride):
+        # every bin, as TensorRT: KL over thresholds is jagged, and a stride keeping ~256
+        # candidates moved amax by -17% to +26% against the full search
+        for i in range(self.num_levels, last + 1):
             p = hist[:i].copy()
             p[i - 1] += hist[i:].sum()  # clipped values pile up in the last bin
             nonzero = hist[:i] > 0
@@ -94,7 +104,11 @@ class EntropyObserver(HistogramObserver):
             q = np.where(nonzero, sums[idx] / np.maximum(counts[idx], 1), 0.0)
             p, q = p / p.sum(), q / max(q.sum(), 1e-30)
             mask = p > 0
-            kl = float(np.sum(p[mask] * np.log(p[mask] / np.maximum(q[mask], 1e-12))))
+            # mass that Q cannot represent (clipped values piled on an empty last bin) makes
+            # KL(P||Q) infinite: such a threshold is rejected, as TensorRT's calibrator does
+            if (q[mask] == 0).any():
+                continue
+            kl = float(np.sum(p[mask] * np.log(p[mask] / q[mask])))
             if kl < best_kl:
                 best_kl, best_i = kl, i
         return min(best_i * self.range / len(self.hist), self.max)

@@ -59,6 +59,14 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.reshape(n, k // gs, gs)
 
 
+def _stored(scales: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Scales rounded to ``scale_dtype`` (returned as float32), never 0: float16 holds nothing
+    below 6e-8, so an all-zero group's scale (MIN_SCALE / 7.5) would round to 0 and w / s give
+    NaN (GPTQ then spread it over the whole row); the smallest positive value takes its place."""
+    info = torch.finfo(scale_dtype)
+    return scales.to(scale_dtype).float().clamp_min(info.smallest_normal * info.eps)
+
+
 def int_qparams(w: torch.Tensor, bits: int, group_size: int, symmetric: bool,
                 clip: float | torch.Tensor = 1.0, scale_dtype: torch.dtype = torch.float32
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -72,10 +80,10 @@ def int_qparams(w: torch.Tensor, bits: int, group_size: int, symmetric: bool,
         # all 2^b codes in use: -amax lands on code 0, +amax half a step above the top code
         # (clamped to it), so the step is 1/15 instead of 1/14 of the range at 4 bits
         scales = amax.clamp_min(MIN_SCALE) / (2 ** (bits - 1) - 0.5)
-        return scales.to(scale_dtype).float(), None
+        return _stored(scales, scale_dtype), None
     wmax = wg.amax(-1).clamp_min(0) * clip
     wmin = wg.amin(-1).clamp_max(0) * clip
-    scales = ((wmax - wmin).clamp_min(MIN_SCALE) / (2**bits - 1)).to(scale_dtype).float()
+    scales = _stored((wmax - wmin).clamp_min(MIN_SCALE) / (2**bits - 1), scale_dtype)
     zeros = torch.round(-wmin / scales).clamp(0, 2**bits - 1)
     return scales, zeros
 
