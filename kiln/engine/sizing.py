@@ -21,10 +21,7 @@ TRITON_HEAD_DIMS = (64, 128)
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     """The context length Kiln serves: the user's choice, bounded by what the model supports."""
-    limit = arch.max_position_embeddings
-    if arch.sliding_window and arch.sliding_window < limit:
-        # Kiln attends over the full context; past the window Mistral v0.1 would differ
-        limit = arch.sliding_window
+    limit = arch.context_limit  # (the sliding window, if shorter: Kiln attends over it all)
     if requested is None:
         return limit
     if requested > limit:

@@ -24,7 +24,7 @@ def vocab_rows(vocab_size: int, tp: TPContext) -> tuple[int, int]:
 def load_vocab_rows(target: torch.Tensor, loaded: torch.Tensor, vocab_size: int,
                     vocab_start: int) -> None:
     """Copy this rank's rows of a full [vocab, hidden] checkpoint table into ``target``."""
-    if loaded.shape[1] != target.shape[1] or loaded.shape[0] != vocab_size:
+    if loaded.dim() != 2 or loaded.shape[1] != target.shape[1] or loaded.shape[0] != vocab_size:
         raise ValueError(f"shape {tuple(loaded.shape)} does not fit the vocabulary table "
                          f"[{vocab_size}, {target.shape[1]}]")
     piece = loaded[vocab_start:vocab_start + target.shape[0]]

@@ -7,6 +7,7 @@ load the same way.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,15 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qk_norm": True},
 }
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+# rope types transformers implements that Kiln refuses, and why
+UNSUPPORTED_ROPE = {
+    "longrope": "transformers switches every position between short_factor and long_factor by "
+                "the length of the whole sequence, which a cached, per-position table cannot "
+                "reproduce",
+}
+# Activations transformers' ACT2FN computes as SiLU (the only MLP activation Kiln has)
+SILU_NAMES = ("silu", "swish")
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn only (transformers' defaults); attention_factor scales cos and sin
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -49,7 +63,7 @@ class ArchConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers that slide; None: none slides
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
@@ -62,23 +76,86 @@ class ArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence Kiln computes as transformers does: max_position_embeddings, or
+        the sliding window when layers slide (Kiln's attention never windows)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
-def _rope_from_config(cfg: dict[str, Any]) -> RopeConfig:
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_from_config(cfg: dict[str, Any], source: str = "config.json") -> RopeConfig:
     # transformers 5 writes rope_parameters (theta inside); 4.x writes rope_theta + rope_scaling
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:
+        raise ValueError(f"{source}: rope parameters given per layer type ({', '.join(nested)}) "
+                         "are not supported: Kiln's Llama family has one rotary embedding for all "
+                         "layers; give a single rope_parameters dict")
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: "
-                         f"{', '.join(ROPE_TYPES)}")
+        why = UNSUPPORTED_ROPE.get(rope_type, "Kiln does not implement it")
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported ({why}); Kiln "
+                         f"supports {', '.join(ROPE_TYPES)}. Run this checkpoint with "
+                         "transformers, or drop its rope scaling from config.json only if the "
+                         "model is meant to run without it")
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+    if partial != 1.0 and rope_type != "default":
+        # transformers' default Llama rotary ignores it; every scaled type would rotate a part
+        raise ValueError(f"{source}: partial_rotary_factor={partial} is not supported: Kiln's "
+                         "Llama family rotates the whole head")
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    # transformers: a top-level original_max_position_embeddings wins, then the rope dict's, then
+    # max_position_embeddings
+    original = int(cfg.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings") or max_pos)
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn":
+        factor = max_pos / original
+    factor = float(1.0 if factor is None else factor)
+    attention_factor = 1.0
+    if rope_type == "yarn":
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                                if mscale and mscale_all_dim else _yarn_mscale(factor))
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention_factor),
     )
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any], num_layers: int) -> int | None:
+    """The window of the layers that slide, as transformers decides it (None: none slides)."""
+    if arch == "MistralForCausalLM":  # every layer; MistralConfig's default is 4096
+        window = cfg.get("sliding_window", 4096)
+        return int(window) if window else None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # only with use_sliding_window, and only the layers layer_types (by default: those from
+        # max_window_layers on) marks as sliding
+        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+        if not window:
+            return None
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else
+            "full_attention" for i in range(num_layers)]
+        return int(window) if "sliding_attention" in layer_types else None
+    return None
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
@@ -108,29 +185,43 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Arc
     if num_heads % num_kv_heads:
         raise ValueError(f"{source}: num_attention_heads={num_heads} is not a multiple of "
                          f"num_key_value_heads={num_kv_heads}")
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
-    is_qwen2 = arch == "Qwen2ForCausalLM"
+    # Qwen3Config's head_dim defaults to 128, the others' to hidden_size / num_attention_heads
+    default_head_dim = 128 if arch == "Qwen3ForCausalLM" else int(cfg["hidden_size"]) // num_heads
+    head_dim = int(cfg.get("head_dim") or default_head_dim)
+    act = cfg.get("hidden_act", "silu")
+    if act not in SILU_NAMES:
+        raise ValueError(f"{source}: hidden_act={act!r} is not supported: Kiln's MLP computes "
+                         f"silu(gate) * up ({arch} checkpoints use hidden_act='silu')")
     attention_bias = bool(cfg.get("attention_bias", False))
-    sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+    # biases as each family's transformers module builds them (it ignores the other keys)
+    if arch == "Qwen2ForCausalLM":  # always q/k/v bias, never o or MLP bias
+        qkv_bias, o_bias, mlp_bias = True, False, False
+    elif arch == "MistralForCausalLM":  # no bias anywhere
+        qkv_bias, o_bias, mlp_bias = False, False, False
+    elif arch == "Qwen3ForCausalLM":  # attention_bias covers all four, no MLP bias
+        qkv_bias, o_bias, mlp_bias = attention_bias, attention_bias, False
+    else:  # Llama: attention_bias covers all four, mlp_bias all three
+        qkv_bias = o_bias = attention_bias
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+    num_layers = int(cfg["num_hidden_layers"])
     return ArchConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        rope=_rope_from_config(cfg),
+        rope=_rope_from_config(cfg, source),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v bias and no o bias; Llama's attention_bias covers all four
-        qkv_bias=is_qwen2 or attention_bias,
-        o_bias=attention_bias and not is_qwen2,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
         qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
-        sliding_window=int(sliding) if sliding else None,
+        sliding_window=_sliding_window(arch, cfg, num_layers),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),

@@ -25,6 +25,19 @@ from kiln.models.arch import ArchConfig
 from kiln.parallel import SINGLE, TPContext
 
 
+def check_sequence_length(cfg: ArchConfig, seq_len: int, max_positions: int) -> None:
+    """Refuse a sequence Kiln would compute wrong: past the rotary table, or past the window of
+    a model whose layers slide (Kiln's attention always sees the whole sequence)."""
+    if seq_len > max_positions:
+        raise ValueError(f"sequence of {seq_len} tokens is longer than the model's "
+                         f"{max_positions} positions; split it")
+    if cfg.sliding_window is not None and seq_len > cfg.sliding_window:
+        raise ValueError(f"sequence of {seq_len} tokens is longer than the model's sliding "
+                         f"window of {cfg.sliding_window} tokens: Kiln attends over the whole "
+                         f"sequence, which {cfg.architecture} does only within its window; "
+                         f"split it into windows of at most {cfg.sliding_window} tokens")
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding,
                  tp: TPContext) -> None:
@@ -101,9 +114,13 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        # one rotary table shared by every layer
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                 cfg.rope)
+        # one rotary table shared by every layer. Dynamic NTK scaling is the default rotary up
+        # to max_position_embeddings and rescales past it: its table stops there.
+        max_positions = max_positions or cfg.max_position_embeddings
+        if cfg.rope.rope_type == "dynamic":
+            max_positions = cfg.max_position_embeddings
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        self.max_positions = max_positions
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -133,6 +150,7 @@ class LlamaForCausalLM(nn.Module):
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Plain causal forward without a persistent cache: [B, L] -> logits [B, L, V]."""
         num_seqs, seq_len = input_ids.shape
+        check_sequence_length(self.cfg, seq_len, self.max_positions)
         device = input_ids.device
         caches = contiguous_kv_caches(self.cfg.num_layers, num_seqs, seq_len, self.num_kv_heads,
                                       self.cfg.head_dim, self.embed_tokens.weight.dtype, device)
@@ -145,6 +163,7 @@ class LlamaForCausalLM(nn.Module):
     _STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                 "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
                 "up_proj": ("gate_up_proj", "up")}
+    _MERGED = {"qkv_proj", "gate_up_proj"}
 
     def checkpoint_targets(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """Map a Hugging Face tensor name to (module, parameter name, shard id).
@@ -161,13 +180,16 @@ class LlamaForCausalLM(nn.Module):
         module_path, _, param = name.rpartition(".")
         parts = module_path.split(".")
         shard_id = None
+        if parts and parts[-1] in self._MERGED:  # Kiln's own names are not checkpoint names
+            raise KeyError(name)
         if parts and parts[-1] in self._STACKED:
             parts[-1], shard_id = self._STACKED[parts[-1]]
         try:
             module = self.get_submodule(".".join(parts))
         except AttributeError:
             raise KeyError(name) from None
-        if not hasattr(module, param):
+        # only parameters load: not a bias this config has not (None), a buffer or an attribute
+        if not isinstance(getattr(module, param, None), nn.Parameter):
             raise KeyError(name)
         return module, param, shard_id
 
