@@ -68,6 +68,18 @@ def max_rel_err(path, ids: torch.Tensor) -> float:
     return (got - expected).abs().max().item() / max(1.0, expected.abs().max().item() / 10)
 
 
+def assert_greedy_matches_transformers(llm: kiln.LLM, path, prompt: list[int],
+                                       max_tokens: int) -> None:
+    """The engine's greedy continuation (cached decode) equals transformers' generate."""
+    out = llm.generate([prompt], kiln.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                      ignore_eos=True))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    expected = ref.eval().generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                   do_sample=False, min_new_tokens=max_tokens, pad_token_id=0,
+                                   eos_token_id=None)
+    assert out[0].outputs[0].token_ids == expected[0, len(prompt):].tolist()
+
+
 def edit_config(path, **fields) -> None:
     cfg = json.loads((path / "config.json").read_text())
     for key, value in fields.items():
@@ -182,13 +194,7 @@ def test_sliding_model_is_exact_up_to_its_window_and_refuses_past_it(family, tmp
     # the engine serves no more than the window (it used to serve 64 for Qwen and attend to all)
     llm = kiln.LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
     assert llm.max_model_len == 8
-    prompt = [5, 9, 17, 40]
-    out = llm.generate([prompt], kiln.SamplingParams(max_tokens=4, temperature=0.0,
-                                                      ignore_eos=True))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    expected = ref.eval().generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
-                                   min_new_tokens=4, pad_token_id=0, eos_token_id=None)
-    assert out[0].outputs[0].token_ids == expected[0, len(prompt):].tolist()
+    assert_greedy_matches_transformers(llm, path, [5, 9, 17, 40], 4)
 
 
 def test_full_logits_past_the_rotary_table_is_a_clear_error(tmp_path):
@@ -225,12 +231,7 @@ def test_yarn_greedy_decode_matches_transformers(tmp_path):
         "original_max_position_embeddings": 16})
     prompt = torch.randint(3, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     llm = kiln.LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=32, block_size=4)
-    out = llm.generate([prompt], kiln.SamplingParams(max_tokens=8, temperature=0.0,
-                                                      ignore_eos=True))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    expected = ref.eval().generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                                   min_new_tokens=8, pad_token_id=0, eos_token_id=None)
-    assert out[0].outputs[0].token_ids == expected[0, len(prompt):].tolist()
+    assert_greedy_matches_transformers(llm, path, prompt, 8)
 
 
 def test_dynamic_rope_matches_transformers_up_to_max_positions(tmp_path):

@@ -10,6 +10,7 @@ sequence cut by max_model_len ended it before min_tokens.
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_detokenizer import CORPUS  # the same multi-byte text trains the byte-level BPE
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -17,12 +18,6 @@ from kiln.engine.sequence import Sequence
 from kiln.sampling import IncrementalDetokenizer, SamplingParams
 
 FFFD = "\ufffd"
-CORPUS = [
-    "Le café est très bon, n'est-ce pas ? Héhé.",
-    "中文字符和标点。你好，世界！",
-    "Emoji time: 🙂🎉🚀 and more 🙂 smiles.",
-    "Plain ASCII text keeps the merges honest: the quick brown fox.",
-] * 10
 
 
 @pytest.fixture(scope="module")
