@@ -37,11 +37,11 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     if rope.rope_type == "yarn":
-        return _yarn_inv_freq(head_dim, rope)
+        return _yarn_inv_freq(inv_freq, head_dim, rope)
     return inv_freq
 
 
-def _yarn_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context are
     interpolated (divided by ``factor``), those turning more than ``beta_fast`` times are kept,
     with a linear ramp between (transformers' ``_compute_yarn_parameters``)."""
@@ -56,11 +56,9 @@ def _yarn_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
+    # 0: keep the frequency, 1: divide it by factor
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp
-    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    interpolated, extrapolated = 1.0 / (rope.factor * pos_freqs), 1.0 / pos_freqs
-    return interpolated * (1 - extrapolation) + extrapolated * extrapolation
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
 class RotaryEmbedding(nn.Module):

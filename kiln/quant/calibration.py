@@ -20,7 +20,7 @@ from torch import nn
 
 from kiln.kernels.rotary import apply_rotary_ref
 from kiln.quant.kv_cache import attention_layers
-from kiln.quant.observers import MinMaxObserver
+from kiln.quant.observers import MinMaxObserver, finite_abs
 
 SOURCES = ("zoo-train", "zoo-heldout")
 
@@ -79,11 +79,7 @@ class LinearStats:
 
     def update(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
-        if not bool(torch.isfinite(x).all()):
-            # max / mean / X^T X would carry it into NaN scales or a failed Cholesky far away
-            raise ValueError("a Linear's calibration input holds NaN or inf (the dense model "
-                             "overflows on the calibration data?); statistics need finite values")
-        a = x.abs()
+        a = finite_abs(x)  # (max / mean / X^T X would carry a NaN into scales or the Cholesky)
         if self.channel_max:
             m = a.amax(0)
             self.abs_max = m if self.abs_max is None else torch.maximum(self.abs_max, m)

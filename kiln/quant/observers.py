@@ -21,7 +21,7 @@ NUM_BINS = 2048
 QMAX = {"int8": 127.0, "fp8": 448.0}
 
 
-def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+def finite_abs(x: torch.Tensor) -> torch.Tensor:
     """|x|, refusing NaN and inf: max() would skip a NaN batch silently, an inf range is
     useless, and the histograms could not place either."""
     a = x.detach().abs()
@@ -37,7 +37,7 @@ class MinMaxObserver:
 
     def update(self, x: torch.Tensor) -> None:
         if x.numel():
-            self.max = max(self.max, float(_finite_abs(x).max()))
+            self.max = max(self.max, float(finite_abs(x).max()))
 
     def amax(self) -> float:
         return self.max
@@ -50,7 +50,7 @@ class HistogramObserver(MinMaxObserver):
         self.range = 0.0
 
     def update(self, x: torch.Tensor) -> None:
-        a = _finite_abs(x).float().flatten()
+        a = finite_abs(x).float().flatten()
         if not a.numel():
             return
         top = float(a.max())
