@@ -22,7 +22,8 @@ dequantization there), unless the caller forces a config; from wint_ws.WS_MIN_M 
 prefill chunks) the persistent warp-specialized Gluon kernel kiln/kernels/wint_ws.py takes
 them instead.
 ``gated=True`` (Llama's merged gate/up projection) returns silu(gate) * up instead of y: the
-CUDA-core GEMV computes it in its epilogue, every other path runs silu_and_mul after. The bias
+CUDA-core GEMV computes it in its epilogue, the dequantize-then-GEMM path through ``linear``
+(kiln/kernels/gated_gemm.py at prefill sizes), every other path runs silu_and_mul after. The bias
 goes in the word-streaming kernels' epilogue where K is not split, else it is added after.
 W8A8 (FP8 / INT8 activations through cuBLAS) lives in ``kiln/quant/w8a8.py``.
 """
@@ -44,6 +45,7 @@ from kiln.kernels._triton import (
     wait_for_inputs,
 )
 from kiln.kernels.activation import silu_and_mul, silu_mul
+from kiln.kernels.gated_gemm import gated_gemm_applies, gated_gemm_triton
 from kiln.kernels.w4_gemv import w4_gemv, w4_gemv_applies
 from kiln.kernels.wint_mma import MmaTiles, wint_mma_applies, wint_mma_gemm
 from kiln.kernels.wint_ws import wint_ws_applies, wint_ws_gemm, wint_ws_preferred
@@ -1111,15 +1113,21 @@ def wint_linear_triton(
                                out_dtype=out_dtype, gated=gated, bias=bias)
     else:
         w = wint_dequant_triton(qweight, scales, zeros, bits, group_size, x.dtype, perm, smooth)
-        out = linear(x2, w, bias, out_dtype)
-        out = silu_and_mul(out) if gated else out
+        out = linear(x2, w, bias, out_dtype, gated)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
     """F.linear, with a float32 ``out_dtype`` taken from cuBLAS' float32 accumulator on CUDA
-    (rounding to x.dtype first would turn near-tie logits into ties)."""
+    (rounding to x.dtype first would turn near-tie logits into ties). gated: ``weight`` is a
+    merged [gate; up] projection and the result silu(gate) * up, from the gated GEMM's epilogue
+    where it applies (prefill rows on Hopper)."""
+    if gated:
+        if out_dtype in (None, x.dtype) and gated_gemm_applies(x, weight, bias):
+            return gated_gemm_triton(x.reshape(-1, x.shape[-1]),
+                                     weight).reshape(*x.shape[:-1], -1)
+        return silu_and_mul(linear(x, weight, bias, out_dtype))
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight, bias)
     if not x.is_cuda:

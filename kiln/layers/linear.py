@@ -13,7 +13,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.gemm import dense_gemm_applies, gemm_triton
 from kiln.kernels.quant_gemm import dense_gemv, dense_gemv_applies, linear
 from kiln.kernels.row_quant import QuantizedRows, RowQuant, quantize_rows
@@ -58,8 +57,7 @@ class DenseLinearMethod:
             y = gemm_triton(x.reshape(-1, x.shape[-1]).contiguous(), layer.weight, layer.bias,
                             out_dtype, gated=gated)
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        y = linear(x, layer.weight, layer.bias, out_dtype)
-        return silu_and_mul(y) if gated else y
+        return linear(x, layer.weight, layer.bias, out_dtype, gated)
 
 
 class Linear(nn.Module):

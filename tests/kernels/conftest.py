@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
         "kiln.kernels.argmax",
         "kiln.kernels.rotary",
         "kiln.kernels.kv_cache",
+        "kiln.kernels.gated_gemm",
         "kiln.kernels.attention_prefill",
         "kiln.kernels.attention_decode",
         "kiln.kernels.attention",
