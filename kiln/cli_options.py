@@ -66,7 +66,8 @@ _HELP = {
     "num_kv_blocks": "fix the KV pool size in blocks (overrides the memory budget)",
     "kv_cache_dtype": "fp8 stores K/V in float8 e4m3 with per-layer scales",
     "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step (longer prompts are chunked)",
+    "max_num_batched_tokens": "token budget of one step (longer prompts are chunked); kiln serve "
+                              "and GPUs under 70 GiB default to 8192, offline runs to 16384",
     "preemption_mode": "what happens to a request preempted for KV space",
     "max_waiting_requests": "the server answers 429 beyond this many waiting requests",
     "async_scheduling": "launch the next decode step while the host finishes the last one",

@@ -5,25 +5,50 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import torch
+
 from kiln.config import EngineConfig
 from kiln.engine.inputs import PromptLike, normalize_prompts
 from kiln.engine.llm_engine import LLMEngine
+from kiln.models.loader import resolve_device
 from kiln.outputs import RequestOutput
 from kiln.sampling.params import SamplingParams
 from kiln.zoo import DEFAULT_MODEL
+
+# Offline runs trade a step's latency for throughput, as vLLM's offline default does on GPUs of
+# 70 GiB or more: 16384 tokens a step gave 512 x 512/256 10,413 against 10,282 output tok/s and
+# 64 x 512/256 +0.5% on an H100 (benchmarks/results/h100/offline_token_budget.txt). `kiln serve`
+# keeps SchedulerConfig's 8192, whose steps hold running streams back half as long while prompts
+# arrive; a smaller GPU keeps it too, its memory going to KV blocks rather than activations.
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 16384
+OFFLINE_BUDGET_MIN_GPU_BYTES = 70 * 2**30
+
+
+def offline_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Engine options of an offline run (``kiln.LLM``, ``kiln bench``, ``kiln profile``): the
+    caller's, with OFFLINE_MAX_NUM_BATCHED_TOKENS a step on a large GPU where it set none."""
+    if "max_num_batched_tokens" in options:
+        return options
+    device = resolve_device(options.get("device", "auto"))
+    if device.type != "cuda":
+        return options
+    if torch.cuda.get_device_properties(device).total_memory < OFFLINE_BUDGET_MIN_GPU_BYTES:
+        return options
+    return {**options, "max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS}
 
 
 class LLM:
     """Load a model once and generate from many prompts with the paged engine.
 
     ``engine_options`` are the engine's flat option names (``block_size``, ``max_num_seqs``,
-    ``num_kv_blocks`` ...), the same as the CLI's dashed flags.
+    ``num_kv_blocks`` ...), the same as the CLI's dashed flags; the step's token budget defaults
+    to the offline one (``offline_options``).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                  **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, dtype=dtype, device=device,
-                                                         **engine_options))
+        options = offline_options({"dtype": dtype, "device": device, **engine_options})
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **options))
         self._ids = itertools.count()
 
     @property

@@ -27,6 +27,7 @@ from kiln.bench.workload import WARMUP_SEED_OFFSET, WorkloadSpec, build_requests
 from kiln.config import EngineConfig
 from kiln.engine.gc_heap import finite_loop_heap
 from kiln.engine.sizing import resolve_max_model_len
+from kiln.llm import offline_options
 from kiln.models.loader import read_arch, resolve_device, resolve_model_path
 from kiln.profile.annotate import PHASES, PREFIX, annotate_engine, step_range
 from kiln.profile.kernels import collect_rows, table
@@ -81,7 +82,7 @@ def tokens_needed(cfg: ProfileConfig, max_num_batched_tokens: int) -> int:
 def check_context(cfg: ProfileConfig) -> None:
     """Refuse, before loading anything, a run whose recorded steps would go past the context:
     the requests would finish early and the steps after record an empty engine."""
-    config = EngineConfig.from_kwargs(cfg.model, **cfg.engine_kwargs)
+    config = EngineConfig.from_kwargs(cfg.model, **offline_options(cfg.engine_kwargs))
     path = resolve_model_path(cfg.model, config.model.revision)
     arch = read_arch(path)
     max_len = resolve_max_model_len(config.model.max_model_len, arch)
