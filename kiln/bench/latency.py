@@ -89,7 +89,8 @@ def _run_kiln(cfg: LatencyConfig, progress: Any) -> tuple[list[dict], list[dict]
     info = {"weight_bytes": offline.weight_bytes(loaded.model),
             "kv_bytes_per_token": offline.kv_bytes_per_token(llm), "dtype": loaded.dtype,
             "device": loaded.device, "vocab_size": loaded.arch.vocab_size,
-            "startup_seconds": llm.engine.startup_seconds}
+            "startup_seconds": llm.engine.startup_seconds,
+            "scheduler": asdict(llm.engine.config.scheduler)}
     metrics, records = [], []
     for case, (b, i, o) in enumerate(cfg.cases()):
         batches = case_requests(cfg, case, b, i, o, info["vocab_size"])
@@ -168,7 +169,8 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     config.update(engine=cfg.engine_kwargs, engine_defaults=offline.BENCH_ENGINE_DEFAULTS,
                   peer_engine=peer_name, warmup_output_len=WARMUP_OUTPUT_LEN,
                   weight_bytes=info["weight_bytes"], kv_bytes_per_token=info["kv_bytes_per_token"],
-                  dtype=str(info["dtype"]), startup_seconds=info["startup_seconds"])
+                  dtype=str(info["dtype"]), startup_seconds=info["startup_seconds"],
+                  scheduler=info["scheduler"])  # as resolved: the offline step budget
     workload = {"dataset_name": "fixed", "seed": cfg.seed,
                 "prompts": "fresh random token ids per iteration, in [10, min(120000, vocab))"}
     return make_result("latency", device, config, workload, metrics, records, ceilings)

@@ -65,7 +65,8 @@ def _run_kiln(cfg: ThroughputConfig, progress: Any) -> tuple[dict, list[dict], d
     records = [offline.request_record(out, 0, t0) for out in outs]
     metrics = {"case": {"num_prompts": len(requests)}, **throughput_metrics(records, elapsed)}
     info = {"dtype": loaded.dtype, "device": loaded.device, "path": loaded.path,
-            "startup_seconds": llm.engine.startup_seconds, "requests": requests}
+            "startup_seconds": llm.engine.startup_seconds, "requests": requests,
+            "scheduler": asdict(llm.engine.config.scheduler)}
     del loaded, outs
     offline.free_llm(llm)  # before the peer loads into the same device memory
     return metrics, records, info
@@ -95,5 +96,6 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     config = {k: v for k, v in asdict(cfg).items() if k not in ("engine_kwargs", "workload")}
     config.update(engine=cfg.engine_kwargs, engine_defaults=offline.BENCH_ENGINE_DEFAULTS,
                   peer_engine=peer_name, warmup_output_len=WARMUP_OUTPUT_LEN,
-                  dtype=str(info["dtype"]), startup_seconds=info["startup_seconds"])
+                  dtype=str(info["dtype"]), startup_seconds=info["startup_seconds"],
+                  scheduler=info["scheduler"])  # as resolved: the offline step budget
     return make_result("throughput", device, config, cfg.workload.to_dict(), [metrics], records)

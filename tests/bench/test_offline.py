@@ -52,6 +52,7 @@ def test_latency_grid_with_hf_peer(tiny_llama, tmp_path):
             m["decode_tokens_per_s"] / peer["decode_tokens_per_s"])
     assert r["config"]["peer_engine"].startswith("hf-transformers")
     assert r["config"]["weight_bytes"] > 0
+    assert r["config"]["scheduler"]["max_num_batched_tokens"] == 8192  # resolved: a CPU run
     assert "speedup vs HF" in (out / "summary.md").read_text()
 
 
@@ -85,6 +86,7 @@ def test_throughput_from_jsonl_with_hf_peer(tiny_llama, tmp_path):
     assert m["peer"]["total_output_tokens"] == m["total_output_tokens"]
     assert m["peer"]["total_input_tokens"] == m["total_input_tokens"]  # same prompts
     assert m["peer_speedup"]["output_tokens_per_s"] > 0
+    assert r["config"]["scheduler"]["max_num_seqs"] == 256  # the engine's, as resolved
 
 
 def test_canonical_workload_file_with_override(tiny_llama, tmp_path):
