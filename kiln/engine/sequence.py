@@ -84,8 +84,8 @@ class Sequence:
     def _check_stop(self, delta: str) -> str:
         params = self.params
         num_out = len(self.output_token_ids)
-        if num_out >= params.min_tokens and self.stop_checker is not None:
-            delta, stopped, matched = self.stop_checker.feed(delta)
+        if self.stop_checker is not None:  # a stop string may begin before min_tokens, not end
+            delta, stopped, matched = self.stop_checker.feed(delta, num_out >= params.min_tokens)
             if stopped:
                 self.text += delta
                 self.finish_reason, self.stop_reason = "stop", matched
@@ -100,9 +100,9 @@ class Sequence:
         # bytes of an unfinished character are released as decode() shows them (U+FFFD), and may
         # still complete a stop string (not before min_tokens: max_model_len can cut earlier)
         tail = self.detokenizer.flush() if self.detokenizer is not None else ""
-        if tail and self.stop_checker is not None \
-                and len(self.output_token_ids) >= self.params.min_tokens:
-            tail, stopped, matched = self.stop_checker.feed(tail)
+        if tail and self.stop_checker is not None:
+            tail, stopped, matched = self.stop_checker.feed(
+                tail, len(self.output_token_ids) >= self.params.min_tokens)
             if stopped:
                 self.text += delta + tail
                 self.finish_reason, self.stop_reason = "stop", matched

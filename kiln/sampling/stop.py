@@ -23,8 +23,11 @@ class StopChecker:
         self.matched: str | None = None
         self._held = ""  # tail that is a proper prefix of some stop string
 
-    def feed(self, new_text: str) -> tuple[str, bool, str | None]:
-        """Returns (text safe to emit now, stopped, the stop string that matched or None)."""
+    def feed(self, new_text: str, may_stop: bool = True) -> tuple[str, bool, str | None]:
+        """Returns (text safe to emit now, stopped, the stop string that matched or None).
+
+        ``may_stop=False`` (before the request's min_tokens): no stop string may end here, but
+        the text is still held back where it may begin one that ends in a later piece."""
         if self.stopped:
             return "", True, self.matched
         if not self.stop:
@@ -33,7 +36,7 @@ class StopChecker:
         # `_held`, so searching held + new finds every match without rescanning the output.
         text = self._held + new_text
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
-        for s in self.stop:
+        for s in self.stop if may_stop else ():
             start = text.find(s)
             if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
                 best = (start + len(s), start, s)

@@ -106,6 +106,16 @@ def test_stop_string_in_flushed_tail_respects_min_tokens(bytelevel):
                                                                         None)
 
 
+def test_stop_string_begun_before_min_tokens_ends_the_output(bytelevel):
+    # "ST" comes before min_tokens, "OP" from it on: vLLM stops there, Kiln used to run on
+    head, rest = bytelevel.encode("x ST"), bytelevel.encode("OP and more")
+    params = SamplingParams(max_tokens=40, min_tokens=len(head) + 1, stop=["STOP"])
+    seq, streamed = generate(bytelevel, [], head + rest, params)
+    assert (seq.text, streamed, seq.finish_reason, seq.stop_reason) == ("x ", "x ", "stop",
+                                                                        "STOP")
+    assert len(seq.output_token_ids) >= params.min_tokens
+
+
 @pytest.mark.parametrize("decoder", ["llama2", "metaspace"])
 @pytest.mark.parametrize("tail", ["🚀🚀", "中文", "é🙂"])
 def test_prompt_ending_in_byte_tokens_keeps_the_first_leading_space(decoder, tail):
@@ -141,11 +151,15 @@ def expected(tok, out, params, num_prompt, max_model_len):
     shown = [""]  # what a streaming detokenizer has released: no unfinished character
     for text in full[1:]:
         shown.append(shown[-1] if text.endswith(FFFD) else text)
-    checked_from = len(shown[max(params.min_tokens - 1, 0)])  # stop strings checked from here
+    # a stop string may begin anywhere but must end past the text shown before min_tokens
+    checked_from = len(shown[max(params.min_tokens - 1, 0)])
+
+    def first_end(text, s):
+        return text.find(s, max(checked_from - len(s) + 1, 0))
 
     def first_stop(text):
-        hits = [(text.find(s, checked_from) + len(s), text.find(s, checked_from), s)
-                for s in stop if text.find(s, checked_from) >= 0]
+        hits = [(first_end(text, s) + len(s), first_end(text, s), s)
+                for s in stop if first_end(text, s) >= 0]
         if not hits:
             return None
         end, start, s = min(hits)

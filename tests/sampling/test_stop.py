@@ -25,6 +25,17 @@ def test_stop_string_across_piece_boundaries():
     assert result == (True, "STOP")
 
 
+def test_before_min_tokens_a_stop_string_may_begin_but_not_end():
+    """As vLLM: text before min_tokens is searched for the start of a stop string that ends
+    after it, and a stop string wholly before it is plain text."""
+    checker = StopChecker(["STOP", "ab"])
+    assert checker.feed("ab ST", may_stop=False) == ("ab ", False, None)  # "ST" held back
+    assert checker.feed("OP and more") == ("", True, "STOP")  # cut where it began
+    checker = StopChecker(["STOP"], include_stop_str_in_output=True)
+    assert checker.feed("x ST", may_stop=False) == ("x ", False, None)
+    assert checker.feed("OP!") == ("STOP", True, "STOP")
+
+
 def test_include_stop_str_in_output():
     emitted, result = run(["STOP"], ["Hello ST", "OP after"], include=True)
     assert "".join(emitted) == "Hello STOP"
