@@ -6,6 +6,7 @@ change before a GPU run, not for speed: a shorter loop or fewer registers is a h
     python3 benchmarks/sm90_compile.py wint_mma --bits 4 --block-n 128 --block-m 256 --warps 8
         [--stages 3] [--k-step 128] [--per-channel] [--split 2] [--ragged-m]
     python3 benchmarks/sm90_compile.py gemm --block-n 64 --block-k 128 --stages 4 [--fp8] [--pdl]
+    python3 benchmarks/sm90_compile.py gated_gemm  (the prefill gate/up GEMM, at its H100 tiles)
     python3 benchmarks/sm90_compile.py wint_ws --bits 4 --group 128 --block-n 128 --block-m 256
         --stages 4 [--ragged-m]  (the Gluon kernel, compiled as launched: M unspecialized, N
         divisible by 16; --ragged-m: the variant for an M no multiple of the tile's rows)
@@ -39,7 +40,7 @@ from sass_hazards import wgmma_hazards  # noqa: E402 (this script's folder)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kiln.kernels import gemm, wint_mma, wint_ws  # noqa: E402
+from kiln.kernels import gated_gemm, gemm, wint_mma, wint_ws  # noqa: E402
 
 
 def wint_mma_variant(a: argparse.Namespace) -> tuple:
@@ -66,6 +67,17 @@ def gemm_variant(a: argparse.Namespace) -> tuple:
                   PREFETCH_STEPS=gemm.PREFETCH_K_STEPS,
                   USE_PDL=a.pdl)
     return gemm._gemm_kernel, sig, consts
+
+
+def gated_gemm_variant(a: argparse.Namespace) -> tuple:
+    """_gated_gemm_kernel's signature (bf16 TMA descriptors of its tiles) and constants."""
+    t = gated_gemm.H100_TILES
+    sig = {"x_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>",
+           "w_desc": f"tensordesc<bf16[{t.block_n},{t.block_k}]>",
+           "y_desc": f"tensordesc<bf16[{t.block_m},{t.block_n}]>"}
+    consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                  NUM_PROGRAMS=132)
+    return gated_gemm._gated_gemm_kernel, sig, consts
 
 
 def machine_code(kernel) -> tuple[int, int, str]:
@@ -106,7 +118,7 @@ def opcodes(lines: list[str]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["wint_mma", "gemm", "wint_ws"])
+    parser.add_argument("kernel", choices=["wint_mma", "gemm", "wint_ws", "gated_gemm"])
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--block-m", type=int, default=None,
@@ -127,6 +139,10 @@ def main() -> None:
     parser.add_argument("--unspecialized", default="M",
                         help="comma-separated integer arguments compiled as not divisible by 16")
     a = parser.parse_args()
+    if a.kernel == "gated_gemm":  # compiled as launched: its H100 tiles, not the flags
+        t = gated_gemm.H100_TILES
+        a.block_m, a.block_n, a.block_k, a.warps, a.stages = (t.block_m, t.block_n, t.block_k,
+                                                              t.num_warps, t.num_stages)
     a.block_m = a.block_m or (64 if a.kernel == "gemm" else 256)
     if a.kernel == "wint_ws":
         kernel = wint_ws.compile_sm90(a.bits, a.group, a.k,
@@ -141,7 +157,9 @@ def main() -> None:
 
 
 def _compile_triton(parser: argparse.ArgumentParser, a: argparse.Namespace):
-    fn, sig, consts = (wint_mma_variant if a.kernel == "wint_mma" else gemm_variant)(a)
+    variant = {"wint_mma": wint_mma_variant, "gemm": gemm_variant,
+               "gated_gemm": gated_gemm_variant}[a.kernel]
+    fn, sig, consts = variant(a)
     for name in fn.arg_names:  # the remaining arguments: int32 scalars
         if name not in sig and name not in consts:
             sig[name] = "i32"

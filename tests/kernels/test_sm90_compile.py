@@ -26,6 +26,17 @@ def test_sm90_compile_reports_the_k_loop(args, wgmma_per_step, tmp_path):
 
 
 @needs_triton
+def test_gated_gemm_streams_both_weight_halves_through_tma(tmp_path):
+    """Each 64-deep K step of the prefill gate/up GEMM: three TMA loads (x, the gate rows, the up
+    rows) and two accumulators' wgmmas, within the register file."""
+    report = sm90_compile_report("gated_gemm", "--dump", str(tmp_path))
+    assert 0 < report["registers"] <= 255 and report["spill_stack_bytes"] == 0
+    assert report["k_loop_loads"] == {"UTMALDG": 3}
+    assert report["k_loop_wgmmas"] == 2 * 64 // 16
+    assert report["shared_bytes"] <= 227 * 1024  # an H100 block's shared memory
+
+
+@needs_triton
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gemm_asks_l2_for_its_first_weights_only_with_pdl(pdl):
     """With PDL each thread of the 64-column GEMM asks L2 for its share of the first K steps'
