@@ -12,9 +12,9 @@ rounded before the multiply.
 
 Measured on the H100 (benchmarks/results/h100/gated_gemm.txt): against cuBLAS + silu_and_mul
 1.04-1.13x at 1000-16384 rows but 0.99x at 3000 (0.96x at 512, where the decode path keeps
-cuBLAS), a GEMM at 680-750 TFLOP/s. The grid walks tiles in groups of GROUP_M row tiles so that the weight tiles
-of a group stay in L2. Warp specialization (``tl.range(warp_specialize=True)``) measured even
-with this plain software pipeline, so the kernel does without it.
+cuBLAS), a GEMM at 680-750 TFLOP/s. The grid walks tiles in groups of GROUP_M row tiles so that
+the weight tiles of a group stay in L2. Warp specialization (``tl.range(warp_specialize=True)``)
+measured even with this plain software pipeline, so the kernel does without it.
 """
 
 from __future__ import annotations
