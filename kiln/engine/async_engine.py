@@ -106,12 +106,12 @@ class AsyncEngine:
         this returns. The caller must iterate or close the result, or ``abort`` the request:
         an iterator never started cannot abort on its own.
         """
-        if self._stopping:
-            raise EngineDeadError("the engine is shutting down")
         request_id = request_id or f"req-{next(self._ids)}"
         request = self.engine.make_request(request_id, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._streams_lock:
+        with self._streams_lock:  # shutdown sets _stopping under it: no stream outlives it
+            if self._stopping:
+                raise EngineDeadError("the engine is shutting down")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -216,7 +216,8 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         """Stop the step thread, then abort whatever is left."""
-        self._stopping = True
+        with self._streams_lock:
+            self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=30)
         self._run_commands()

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 import kiln
-from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.async_engine import AsyncEngine, EngineDeadError
 
 
 @pytest.fixture
@@ -66,3 +66,23 @@ async def test_abort_from_outside_ends_the_stream(engine):
     engine.abort("victim")
     await asyncio.wait_for(task, timeout=5)
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+
+
+async def test_a_request_racing_shutdown_fails_instead_of_hanging(engine):
+    """shutdown() landing between generate()'s checks and the request's hand-over (here: while
+    the prompt is tokenized) used to leave a stream no one would ever answer."""
+    make_request = engine.engine.make_request
+
+    def make_request_while_shutting_down(*args, **kwargs):
+        engine.shutdown()
+        return make_request(*args, **kwargs)
+
+    engine.engine.make_request = make_request_while_shutting_down
+
+    async def consume() -> None:
+        async for _ in engine.generate([5, 6], kiln.SamplingParams(max_tokens=4)):
+            pass
+
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(consume(), timeout=5)
+    assert engine.num_in_flight == 0
