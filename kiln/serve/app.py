@@ -217,7 +217,8 @@ def create_app(engine: AsyncEngine | None = None,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+            ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt,
+                                  body.chat_template_kwargs)
         else:
             if engine.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer", param="prompt")

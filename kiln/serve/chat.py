@@ -17,6 +17,7 @@ from kiln.serve.generation import (
     check_text,
     collect_finals,
     merged_outputs,
+    refuse_unsupported,
     resolve_max_tokens,
     sampling_params,
     unless_disconnected,
@@ -55,8 +56,13 @@ def _content_text(message: ChatMessage, index: int) -> str:
 
 
 def chat_prompt_ids(state: ServerState, messages: list[ChatMessage],
-                    add_generation_prompt: bool = True) -> list[int]:
-    """Render the messages with the chat template and tokenize (400s say what went wrong)."""
+                    add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Render the messages with the chat template and tokenize (400s say what went wrong).
+
+    ``template_kwargs`` are the template's own variables (vLLM's chat_template_kwargs, such as
+    Qwen3's enable_thinking); they cannot override how the template is applied.
+    """
     tokenizer = state.ready_engine().tokenizer
     if not messages:
         raise APIError(400, "messages is empty; give at least one message", param="messages")
@@ -68,8 +74,9 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage],
     conversation = [{"role": check_text(m.role, f"messages.{i}.role"),
                      "content": _content_text(m, i)} for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            conversation, **{**(template_kwargs or {}), "chat_template": template,
+                             "tokenize": False, "add_generation_prompt": add_generation_prompt})
         # The template writes any BOS itself; encoding must not add a second one. (verbose=False:
         # the length is checked against max_model_len with a 400, not transformers' warning.)
         ids = list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
@@ -101,18 +108,21 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                  request: Request) -> Response | ChatCompletionResponse:
     engine = state.ready_engine()
     state.check_model(body.model)
-    if body.tools:
-        raise APIError(400, "tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format type 'text' is supported",
-                       param="response_format")
+    refuse_unsupported(body, ("tools", "functions"))
+    # Without tools, only these choices can be met by a plain answer (vLLM refuses any choice
+    # without tools; "auto" passes here, as clients send it on requests that have none).
+    for field in ("tool_choice", "function_call"):
+        if (body.model_extra or {}).get(field) not in (None, "none", "auto"):
+            raise APIError(400, f"{field} asks for a tool call, but tools are not supported",
+                           param=field)
     # Rejected as OpenAI does, since it would be ignored silently; 0 asks for nothing, so it
     # passes without logprobs, as in vLLM.
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, f"top_logprobs requires logprobs=true, got top_logprobs="
                             f"{body.top_logprobs} without it; set logprobs to true or drop "
                             f"top_logprobs", param="top_logprobs")
-    prompt = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    prompt = chat_prompt_ids(state, body.messages, body.add_generation_prompt,
+                             body.chat_template_kwargs)
     # max_completion_tokens replaces the deprecated max_tokens; errors name the one sent
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(len(prompt), getattr(body, max_field), engine.max_model_len,

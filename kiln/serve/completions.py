@@ -18,6 +18,7 @@ from kiln.serve.generation import (
     check_text,
     collect_finals,
     merged_outputs,
+    refuse_unsupported,
     resolve_max_tokens,
     sampling_params,
     unless_disconnected,
@@ -78,6 +79,7 @@ async def create_completion(state: ServerState, body: CompletionRequest,
                             request: Request) -> Response | CompletionResponse:
     engine = state.ready_engine()
     state.check_model(body.model)
+    refuse_unsupported(body)
     for field, off in (("echo", not body.echo), ("suffix", body.suffix is None),
                        ("best_of", body.best_of in (None, body.n))):
         if not off:

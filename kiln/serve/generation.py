@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -33,6 +33,26 @@ def check_text(value: str, param: str) -> str:
         raise APIError(400, f"{param} is not valid Unicode (it holds a lone surrogate)",
                        param=param) from None
     return value
+
+
+# Options that would change what is generated and that Kiln does not implement (OpenAI's, then
+# vLLM's extensions). Unknown fields are otherwise ignored, so a request setting one of these
+# would get an answer as if it had not: it is refused instead, naming the field.
+UNSUPPORTED = ("logit_bias", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words",
+               "logits_processors")
+
+
+def refuse_unsupported(body: Any, names: Sequence[str] = ()) -> None:
+    """400 for the first of ``UNSUPPORTED`` and ``names`` the request sets (null, [] and {}
+    set nothing), or for a response_format other than plain text."""
+    sent = body.model_extra or {}
+    for name in (*UNSUPPORTED, *names):
+        if sent.get(name) not in (None, [], {}):
+            raise APIError(400, f"{name} is not supported", param=name)
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise APIError(400, "only response_format type 'text' is supported",
+                       param="response_format")
 
 
 def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -65,8 +85,6 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
     ``request_fields`` maps SamplingParams fields to the request fields that gave them where
     the names differ (chat's top_logprobs gives logprobs).
     """
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     stop = body.stop
     for s in [stop] if isinstance(stop, str) else stop or []:
         check_text(s, "stop")

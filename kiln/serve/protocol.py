@@ -3,7 +3,8 @@
 Types only: pydantic checks shapes and keeps integers inside int64 (wider values would overflow
 the engine's tensors); what a value means (top_p in (0, 1], n <= max_num_seqs ...) is checked
 once, by ``SamplingParams`` and the engine, and reported as a 400 naming the field.
-Unknown fields are ignored, as OpenAI clients send options this server does not use.
+Unknown fields are ignored, as OpenAI clients send options this server does not use; the
+sampling requests keep them, so that those which would change the output can be refused.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class StreamOptions(_Body):
 class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
 
+    # kept in model_extra: generation.refuse_unsupported reads options Kiln does not implement
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     n: Int = 1
     stream: bool = False
@@ -65,8 +68,9 @@ class _SamplingFields(_Body):
     seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI's in chat, vLLM's in completions too; only "text" is supported
+    response_format: dict[str, Any] | None = None
     # extensions sent by vLLM's benchmark and other clients
     top_k: Int | None = None
     min_p: float | None = None
@@ -104,9 +108,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int | None = None
     logprobs: bool = False
     top_logprobs: Int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: enable_thinking ...
 
 
 class TokenizeRequest(_Body):
@@ -115,6 +118,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

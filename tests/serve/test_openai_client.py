@@ -6,8 +6,9 @@ import openai
 import pytest
 
 from kiln import SamplingParams
+from kiln.serve.app import create_app
 
-from .conftest import MODEL, assert_idle
+from .conftest import MODEL, ServerThread, assert_idle
 
 SEED, TEMPERATURE, MAX_TOKENS = 1234, 0.8, 6
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -193,3 +194,65 @@ def test_bad_top_logprobs_is_a_400_naming_it(client, engine, options, says):
     error = caught.value.body
     assert error["param"] == "top_logprobs" and says in error["message"], error
     assert_idle(engine)
+
+
+FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+
+
+@pytest.mark.parametrize("chat, options, param", [
+    (False, {"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    (False, {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
+    (False, {"extra_body": {"prompt_logprobs": 0}}, "prompt_logprobs"),
+    (True, {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    (True, {"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
+    (True, {"tools": [{"type": "function", "function": FUNCTION}]}, "tools"),
+    (True, {"functions": [FUNCTION]}, "functions"),
+    (True, {"tool_choice": "required"}, "tool_choice"),
+    (True, {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice"),
+    (True, {"function_call": {"name": "get_weather"}}, "function_call")])
+def test_options_that_would_change_the_output_are_refused_not_ignored(client, engine, chat,
+                                                                       options, param):
+    # vLLM honours these (or refuses a tool choice without tools): answering as if they were
+    # not sent would hand the client unconstrained text where it asked for something else
+    with pytest.raises(openai.BadRequestError) as caught:
+        if chat:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                           **options)
+        else:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **options)
+    error = caught.value.body
+    assert error["param"] == param and param in error["message"], error
+    assert_idle(engine)
+
+
+def test_tool_choice_a_plain_answer_meets_is_accepted(client):
+    for choice in ("none", "auto"):
+        result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                                tool_choice=choice)
+        assert result.usage.completion_tokens == 2
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                     "{% if enable_thinking | default(true) %}<think>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_client(engine):
+    app = create_app(engine, served_model_name=MODEL, chat_template=THINKING_TEMPLATE)
+    with ServerThread(app) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+def test_chat_template_kwargs_reach_the_template(thinking_client, reference_llm, kwargs):
+    # vLLM's way to switch e.g. Qwen3's thinking off; ignored, the prompt kept "<think>"
+    text = reference_llm.tokenizer.apply_chat_template(
+        MESSAGES, chat_template=THINKING_TEMPLATE, tokenize=False, add_generation_prompt=True,
+        **kwargs)
+    result = thinking_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2,
+        extra_body={"chat_template_kwargs": kwargs})
+    assert text.endswith(":\n" if kwargs.get("enable_thinking") is False else "<think>")
+    assert result.usage.prompt_tokens == len(
+        reference_llm.tokenizer.encode(text, add_special_tokens=False))
