@@ -58,7 +58,7 @@ def _tile_coords(tile, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
     return tile_m, tile_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's rows: no new variant per step shape
 def _gated_gemm_kernel(x_desc, w_desc, y_desc, M, INTER, K,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
