@@ -84,8 +84,10 @@ class Sequence:
     def _check_stop(self, delta: str) -> str:
         params = self.params
         num_out = len(self.output_token_ids)
-        if self.stop_checker is not None:  # a stop string may begin before min_tokens, not end
-            delta, stopped, matched = self.stop_checker.feed(delta, num_out >= params.min_tokens)
+        if self.stop_checker is not None:
+            # as vLLM: a stop string may begin within the first min_tokens tokens' text but end
+            # only in a later token's, as EOS comes at the earliest after min_tokens tokens
+            delta, stopped, matched = self.stop_checker.feed(delta, num_out > params.min_tokens)
             if stopped:
                 self.text += delta
                 self.finish_reason, self.stop_reason = "stop", matched
@@ -102,7 +104,7 @@ class Sequence:
         tail = self.detokenizer.flush() if self.detokenizer is not None else ""
         if tail and self.stop_checker is not None:
             tail, stopped, matched = self.stop_checker.feed(
-                tail, len(self.output_token_ids) >= self.params.min_tokens)
+                tail, len(self.output_token_ids) > self.params.min_tokens)
             if stopped:
                 self.text += delta + tail
                 self.finish_reason, self.stop_reason = "stop", matched

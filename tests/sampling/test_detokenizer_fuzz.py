@@ -107,9 +107,9 @@ def test_stop_string_in_flushed_tail_respects_min_tokens(bytelevel):
 
 
 def test_stop_string_begun_before_min_tokens_ends_the_output(bytelevel):
-    # "ST" comes before min_tokens, "OP" from it on: vLLM stops there, Kiln used to run on
+    # "ST" within the first min_tokens tokens, "OP" after them: vLLM stops there, Kiln ran on
     head, rest = bytelevel.encode("x ST"), bytelevel.encode("OP and more")
-    params = SamplingParams(max_tokens=40, min_tokens=len(head) + 1, stop=["STOP"])
+    params = SamplingParams(max_tokens=40, min_tokens=len(head), stop=["STOP"])
     seq, streamed = generate(bytelevel, [], head + rest, params)
     assert (seq.text, streamed, seq.finish_reason, seq.stop_reason) == ("x ", "x ", "stop",
                                                                         "STOP")
@@ -151,8 +151,8 @@ def expected(tok, out, params, num_prompt, max_model_len):
     shown = [""]  # what a streaming detokenizer has released: no unfinished character
     for text in full[1:]:
         shown.append(shown[-1] if text.endswith(FFFD) else text)
-    # a stop string may begin anywhere but must end past the text shown before min_tokens
-    checked_from = len(shown[max(params.min_tokens - 1, 0)])
+    # a stop string may begin anywhere but must end past the first min_tokens tokens' text
+    checked_from = len(shown[params.min_tokens])
 
     def first_end(text, s):
         return text.find(s, max(checked_from - len(s) + 1, 0))
@@ -166,7 +166,7 @@ def expected(tok, out, params, num_prompt, max_model_len):
         return text[:end if include else start], s
 
     def finish(k, text, reason, stop_reason):
-        hit = first_stop(text) if k >= params.min_tokens else None
+        hit = first_stop(text) if k > params.min_tokens else None
         return (k, hit[0], "stop", hit[1]) if hit else (k, text, reason, stop_reason)
 
     for k in range(1, len(out) + 1):
