@@ -71,45 +71,56 @@ class Sequence:
                 entry[token_id] = logprob
             self.logprobs.append(entry)
         params = self.params
-        if len(self.output_token_ids) >= params.min_tokens:
-            # the stop token's own text is dropped, so it never reaches the detokenizer: what the
-            # tokens before it still hold back (an unfinished character) is flushed instead
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return self._finish_flushed("stop", None)
-            if token_id in params.stop_token_ids:
-                return self._finish_flushed("stop", token_id)
+        may_end = len(self.output_token_ids) >= params.min_tokens
+        eos = may_end and not params.ignore_eos and token_id in self.eos_token_ids
+        if eos or (may_end and token_id in params.stop_token_ids):
+            stop_reason = None if eos else token_id  # as vLLM: EOS first, else the id
+            delta = ""
+            # as vLLM, the token's own text is dropped unless include_stop_str_in_output; what
+            # the tokens before it still hold back (an unfinished character) is flushed either way
+            if params.include_stop_str_in_output and self.detokenizer is not None:
+                delta, stopped = self._feed_stop_strings(self.detokenizer.add([token_id]))
+                if stopped:
+                    return delta
+            return self._finish_flushed("stop", stop_reason, delta)
         delta = self.detokenizer.add([token_id]) if self.detokenizer is not None else ""
         return self._check_stop(delta)
 
+    def _feed_stop_strings(self, delta: str) -> tuple[str, bool]:
+        """Pass new text through the stop strings: what may be shown now, and whether one of
+        them ended the output (then finished, its text in)."""
+        if self.stop_checker is None:
+            return delta, False
+        # as vLLM: a stop string may begin within the first min_tokens tokens' text but end only
+        # in a later token's, as EOS comes at the earliest after min_tokens tokens
+        delta, stopped, matched = self.stop_checker.feed(
+            delta, len(self.output_token_ids) > self.params.min_tokens)
+        if stopped:
+            self.text += delta
+            self.finish_reason, self.stop_reason = "stop", matched
+        return delta, stopped
+
     def _check_stop(self, delta: str) -> str:
+        delta, stopped = self._feed_stop_strings(delta)
+        if stopped:
+            return delta
         params = self.params
-        num_out = len(self.output_token_ids)
-        if self.stop_checker is not None:
-            # as vLLM: a stop string may begin within the first min_tokens tokens' text but end
-            # only in a later token's, as EOS comes at the earliest after min_tokens tokens
-            delta, stopped, matched = self.stop_checker.feed(delta, num_out > params.min_tokens)
-            if stopped:
-                self.text += delta
-                self.finish_reason, self.stop_reason = "stop", matched
-                return delta
-        if (params.max_tokens is not None and num_out >= params.max_tokens) \
+        if (params.max_tokens is not None and len(self.output_token_ids) >= params.max_tokens) \
                 or self.num_tokens >= self.max_model_len:
             return self._finish_flushed("length", None, delta)
         self.text += delta
         return delta
 
     def _finish_flushed(self, reason: str, stop_reason: int | str | None, delta: str = "") -> str:
-        # bytes of an unfinished character are released as decode() shows them (U+FFFD), and may
-        # still complete a stop string (not before min_tokens: max_model_len can cut earlier)
+        """Finish after ``delta`` (text already past the stop strings). Bytes of an unfinished
+        character are released as decode() shows them (U+FFFD), and may still complete a stop
+        string (not before min_tokens: max_model_len can cut earlier)."""
+        self.text += delta
         tail = self.detokenizer.flush() if self.detokenizer is not None else ""
-        if tail and self.stop_checker is not None:
-            tail, stopped, matched = self.stop_checker.feed(
-                tail, len(self.output_token_ids) > self.params.min_tokens)
-            if stopped:
-                self.text += delta + tail
-                self.finish_reason, self.stop_reason = "stop", matched
-                return delta + tail
-        return self._finish(reason, stop_reason, delta + tail)
+        tail, stopped = self._feed_stop_strings(tail) if tail else ("", False)
+        if stopped:
+            return delta + tail
+        return delta + self._finish(reason, stop_reason, tail)
 
     def _finish(self, reason: str, stop_reason: int | str | None, delta: str) -> str:
         if self.stop_checker is not None:

@@ -94,6 +94,17 @@ def test_flushed_tail_at_eos_can_complete_a_stop_string(bytelevel):
                                                                         "k" + FFFD)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_ids_text_is_kept_with_include_stop_str_in_output(bytelevel, include):
+    # as vLLM: a stop token's own text is in the output when include_stop_str_in_output is set
+    body, end = bytelevel.encode("ok"), bytelevel.encode("!")
+    params = SamplingParams(max_tokens=20, stop_token_ids=end, include_stop_str_in_output=include)
+    seq, streamed = generate(bytelevel, [], body + end, params)
+    text = "ok!" if include else "ok"
+    assert (seq.text, streamed, seq.finish_reason, seq.stop_reason) == (text, text, "stop",
+                                                                        end[0])
+
+
 def test_stop_string_in_flushed_tail_respects_min_tokens(bytelevel):
     # fuzzer case: max_model_len cut the output at 1 token, below min_tokens=3, and the
     # flushed U+FFFD matched stop="\ufffd": it finished "stop" before min_tokens
@@ -172,10 +183,11 @@ def expected(tok, out, params, num_prompt, max_model_len):
     for k in range(1, len(out) + 1):
         token = out[k - 1]
         if k >= params.min_tokens:
+            kept = k if include else k - 1  # the stop token's own text, as vLLM
             if not params.ignore_eos and token == tok.eos_token_id:
-                return finish(k, full[k - 1], "stop", None)
+                return finish(k, full[kept], "stop", None)
             if token in params.stop_token_ids:
-                return finish(k, full[k - 1], "stop", token)
+                return finish(k, full[kept], "stop", token)
             hit = first_stop(shown[k])
             if hit:
                 return k, hit[0], "stop", hit[1]
