@@ -41,7 +41,7 @@ if "kiln" not in sys.modules:
     sys.modules["kiln"] = _kiln
 
 from kiln.kernels._triton import num_sms
-from kiln.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kiln.kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
 from kiln.kernels.argmax import argmax_rows_ref, argmax_rows_triton
 from kiln.kernels.attention import paged_attention_ref
 from kiln.kernels.attention_decode import (
@@ -49,6 +49,7 @@ from kiln.kernels.attention_decode import (
     paged_attention_decode_triton,
 )
 from kiln.kernels.attention_prefill import paged_attention_prefill_triton, prefill_config
+from kiln.kernels.gated_gemm import H100_TILES, GatedTiles, gated_gemm_ref, gated_gemm_triton
 from kiln.kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kiln.kernels.rotary import (
     apply_rotary_ref,
@@ -133,6 +134,18 @@ def bench_silu_and_mul(num_tokens=8192, inter=14336):
     record(
         "silu_and_mul", [num_tokens, 2 * inter], ms, gbytes=gbytes, err=err, baseline_ms=eager_ms
     )
+
+
+def bench_gated_gemm(num_tokens=8192, hidden=4096, inter=14336, tiles=H100_TILES):
+    """The prefill gate/up GEMM with silu(gate) * up in its epilogue, against cuBLAS +
+    silu_and_mul (the path it replaces)."""
+    x = torch.randn(num_tokens, hidden, device=DEVICE, dtype=DTYPE)
+    w = (torch.randn(2 * inter, hidden, device=DEVICE) / hidden**0.5).to(DTYPE)
+    err = rel_err(gated_gemm_triton(x, w, tiles), gated_gemm_ref(x.float(), w.float()))
+    ms = bench_ms(lambda: gated_gemm_triton(x, w, tiles))
+    unfused_ms = bench_ms(lambda: silu_and_mul(x @ w.t()))
+    record("gated_gemm (gate_up + silu)", [num_tokens, hidden, 2 * inter], ms,
+           tflop=2 * num_tokens * hidden * 2 * inter / 1e12, err=err, baseline_ms=unfused_ms)
 
 
 def bench_argmax(rows=1, vocab=128256):
@@ -484,8 +497,8 @@ def main() -> None:
         DEVICE, DTYPE, SMOKE = "cpu", torch.float16, True
     torch.manual_seed(int(datetime.datetime.now().timestamp()))  # fresh inputs every run
     steps = [
-        bench_rms_norm, bench_silu_and_mul, bench_rotary, bench_rotary_kv_cache,
-        bench_argmax, lambda: bench_argmax(64), bench_prefill,
+        bench_rms_norm, bench_silu_and_mul, bench_gated_gemm, bench_rotary,
+        bench_rotary_kv_cache, bench_argmax, lambda: bench_argmax(64), bench_prefill,
         lambda: bench_prefill(new_kv=False), lambda: bench_prefill(page=64, new_kv=False),
         lambda: bench_prefill(16, 512), lambda: bench_prefill(16, 512, new_kv=False),
         lambda: bench_prefill(head_dim=64, num_heads=32, num_kv_heads=32),
@@ -496,6 +509,7 @@ def main() -> None:
     if SMOKE:
         steps = [
             lambda: bench_rms_norm(5, 64), lambda: bench_silu_and_mul(5, 64),
+            lambda: bench_gated_gemm(40, 64, 40, GatedTiles(32, 32, 32, 2, 4, 2)),
             lambda: bench_argmax(3, 5000),
             lambda: bench_rotary(5, 4, 2, 64), lambda: bench_rotary_kv_cache(5, 4, 2, 64),
             lambda: bench_prefill(2, 40, 4, 2, 64), lambda: bench_prefill(2, 40, 4, 2, 64,
