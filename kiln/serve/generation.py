@@ -45,7 +45,8 @@ UNSUPPORTED = ("logit_bias", "prompt_logprobs", "guided_json", "guided_regex", "
 
 def refuse_unsupported(body: Any, names: Sequence[str] = ()) -> None:
     """400 for the first of ``UNSUPPORTED`` and ``names`` the request sets (null, [] and {}
-    set nothing), or for a response_format other than plain text."""
+    set nothing), for a response_format other than plain text, or for stream_options set on
+    a request that does not stream."""
     sent = body.model_extra or {}
     for name in (*UNSUPPORTED, *names):
         if sent.get(name) not in (None, [], {}):
@@ -53,6 +54,12 @@ def refuse_unsupported(body: Any, names: Sequence[str] = ()) -> None:
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise APIError(400, "only response_format type 'text' is supported",
                        param="response_format")
+    # As vLLM: options for a stream that will not be sent (include_usage would give no usage
+    # chunk) are a client's mistake, not something to drop silently.
+    if body.stream_options is not None and body.stream_options.model_fields_set \
+            and not body.stream:
+        raise APIError(400, "stream_options can only be set when stream is true",
+                       param="stream_options")
 
 
 def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -79,11 +86,13 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model
 
 
 def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
-                    request_fields: Mapping[str, str] | None = None) -> SamplingParams:
+                    request_fields: Mapping[str, str] | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the fields both endpoints share; bad values -> 400 naming the field.
 
     ``request_fields`` maps SamplingParams fields to the request fields that gave them where
-    the names differ (chat's top_logprobs gives logprobs).
+    the names differ (chat's top_logprobs gives logprobs). ``prompt_logprobs`` is for
+    completions' echo, which returns the prompt's logprobs too.
     """
     stop = body.stop
     for s in [stop] if isinstance(stop, str) else stop or []:
@@ -101,6 +110,7 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
             presence_penalty=given(body.presence_penalty, 0.0),
             frequency_penalty=given(body.frequency_penalty, 0.0),
             repetition_penalty=given(body.repetition_penalty, 1.0), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output)
     except (ValueError, TypeError) as exc:

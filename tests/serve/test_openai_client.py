@@ -256,3 +256,156 @@ def test_chat_template_kwargs_reach_the_template(thinking_client, reference_llm,
     assert text.endswith(":\n" if kwargs.get("enable_thinking") is False else "<think>")
     assert result.usage.prompt_tokens == len(
         reference_llm.tokenizer.encode(text, add_special_tokens=False))
+
+
+ECHO_PROMPT = "The quick brown fox"
+
+
+def echo_prompt(reference_llm, token_ids: bool) -> str | list[int]:
+    return reference_llm.tokenizer.encode(ECHO_PROMPT) if token_ids else ECHO_PROMPT
+
+
+def streamed_choices(chunks) -> dict[int, list]:
+    """Each choice's chunk choices, in the order they came."""
+    choices: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            choices.setdefault(choice.index, []).append(choice)
+    return choices
+
+
+@pytest.mark.parametrize("token_ids", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_before_the_completion(client, reference_llm, engine, token_ids,
+                                                    stream):
+    # vLLM's echo: a token-id prompt comes back decoded
+    prompt = echo_prompt(reference_llm, token_ids)
+    (want,) = expected(reference_llm, prompt)
+    kwargs = dict(model=MODEL, prompt=prompt, echo=True, max_tokens=MAX_TOKENS, seed=SEED,
+                  temperature=TEMPERATURE)
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True,
+                                                stream_options={"include_usage": True}))
+        (parts,) = streamed_choices(chunks).values()
+        assert parts[0].text.startswith(ECHO_PROMPT)  # the prompt comes whole, first
+        text, usage = "".join(p.text for p in parts), chunks[-1].usage
+    else:
+        result = client.completions.create(**kwargs)
+        text, usage = result.choices[0].text, result.usage
+    assert text == ECHO_PROMPT + want.outputs[0].text
+    assert usage.prompt_tokens == len(want.prompt_token_ids)
+    assert usage.completion_tokens == MAX_TOKENS
+    assert_idle(engine)
+
+
+def assert_echo_logprobs(logprobs, text: str, want, num_completion_tokens: int) -> None:
+    """The prompt's logprobs, then the completion's, as kiln.LLM computes them."""
+    num_tokens = len(want.prompt_token_ids) + num_completion_tokens
+    assert len(logprobs.tokens) == num_tokens
+    assert "".join(logprobs.tokens) == text
+    # nothing before the first prompt token predicts it: null, as OpenAI and vLLM send it
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    token_ids = [*want.prompt_token_ids, *want.outputs[0].token_ids][:num_tokens]
+    entries = [*want.prompt_logprobs, *want.outputs[0].logprobs][:num_tokens]
+    for token_id, entry, logprob, top in zip(token_ids[1:], entries[1:],
+                                             logprobs.token_logprobs[1:],
+                                             logprobs.top_logprobs[1:], strict=True):
+        assert logprob == pytest.approx(entry[token_id], abs=1e-5)
+        assert 1 <= len(top) <= 2
+        assert max(top.values()) == pytest.approx(max(entry.values()), abs=1e-5)
+    offsets = [0]
+    for token in logprobs.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert logprobs.text_offset == offsets
+
+
+@pytest.mark.parametrize("token_ids", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_logprobs_hold_the_prompts_then_the_completions(client, reference_llm, token_ids,
+                                                             stream):
+    prompt = echo_prompt(reference_llm, token_ids)
+    (want,) = expected(reference_llm, prompt, temperature=0.0, logprobs=1, prompt_logprobs=1)
+    kwargs = dict(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=MAX_TOKENS,
+                  temperature=0.0)
+    if stream:
+        (parts,) = streamed_choices(client.completions.create(**kwargs, stream=True)).values()
+        # the first chunk holds the prompt's logprobs, whole
+        assert len(parts[0].logprobs.tokens) > len(want.prompt_token_ids)
+        text = "".join(p.text for p in parts)
+        logprobs = parts[0].logprobs
+        for part in parts[1:]:
+            for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(logprobs, field).extend(getattr(part.logprobs, field))
+    else:
+        choice = client.completions.create(**kwargs).choices[0]
+        text, logprobs = choice.text, choice.logprobs
+    assert text == ECHO_PROMPT + want.outputs[0].text
+    assert_echo_logprobs(logprobs, text, want, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, reference_llm, engine, stream):
+    # lm-evaluation-harness's loglikelihood: token-id prompts, echo, logprobs 1, max_tokens 0
+    prompts = [reference_llm.tokenizer.encode(p) for p in ("The quick brown fox", "def fib")]
+    want = expected(reference_llm, prompts, temperature=0.0, logprobs=1, prompt_logprobs=1)
+    kwargs = dict(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=0,
+                  temperature=0.0)
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True,
+                                                stream_options={"include_usage": True}))
+        # one chunk per choice: the prompt, with its logprobs and the finish reason
+        streamed = streamed_choices(chunks)
+        assert all(len(parts) == 1 for parts in streamed.values()), streamed
+        choices = {i: parts[0] for i, parts in streamed.items()}
+        usage = chunks[-1].usage
+    else:
+        result = client.completions.create(**kwargs)
+        choices, usage = {c.index: c for c in result.choices}, result.usage
+    assert sorted(choices) == [0, 1]
+    for i, choice in choices.items():
+        assert choice.text == reference_llm.tokenizer.decode(prompts[i])
+        assert choice.finish_reason == "length"
+        assert_echo_logprobs(choice.logprobs, choice.text, want[i], 0)
+    assert usage.prompt_tokens == sum(len(p) for p in prompts)
+    assert usage.completion_tokens == 0  # the engine's one sampled token is not the client's
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("max_tokens", [0, MAX_TOKENS])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_many_prompts_and_samples(async_client, reference_llm, engine, max_tokens,
+                                             stream):
+    prompts = ["Unicode: café", "def fib"]
+    want = expected(reference_llm, prompts, n=2)
+    kwargs = dict(model=MODEL, prompt=prompts, n=2, echo=True, max_tokens=max_tokens,
+                  seed=SEED, temperature=TEMPERATURE)
+    texts: dict[int, str] = {}
+    if stream:
+        async for chunk in await async_client.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                if choice.index not in texts:  # every choice's first chunk opens with its prompt
+                    assert choice.text.startswith(prompts[choice.index // 2])
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+    else:
+        result = await async_client.completions.create(**kwargs)
+        texts = {c.index: c.text for c in result.choices}
+        assert result.usage.completion_tokens == 4 * max_tokens
+    completions = {2 * p + s: want[p].outputs[s].text if max_tokens else ""
+                   for p in range(2) for s in range(2)}
+    assert texts == {i: prompts[i // 2] + text for i, text in completions.items()}
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_options_without_stream_is_a_400_naming_it(client, engine, chat):
+    # as vLLM: include_usage would otherwise be dropped without a word
+    with pytest.raises(openai.BadRequestError) as caught:
+        if chat:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                           stream_options={"include_usage": True})
+        else:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                      stream_options={"include_usage": True})
+    error = caught.value.body
+    assert error["param"] == "stream_options" and "stream_options" in error["message"], error
+    assert_idle(engine)
