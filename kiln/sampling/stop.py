@@ -33,11 +33,12 @@ class StopChecker:
         if not self.stop:
             return new_text, False, None
         # Any stop string that began in already-emitted text would have left its start in
-        # `_held`, so searching held + new finds every match without rescanning the output.
+        # `_held`, so searching held + new finds every match without rescanning the output. A
+        # match must end in the new text: one wholly inside `_held` came while stops were off.
         text = self._held + new_text
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for s in self.stop if may_stop else ():
-            start = text.find(s)
+            start = text.find(s, max(len(self._held) - len(s) + 1, 0))
             if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
                 best = (start + len(s), start, s)
         if best is not None:

@@ -34,6 +34,10 @@ def test_before_min_tokens_a_stop_string_may_begin_but_not_end():
     checker = StopChecker(["STOP"], include_stop_str_in_output=True)
     assert checker.feed("x ST", may_stop=False) == ("x ", False, None)
     assert checker.feed("OP!") == ("STOP", True, "STOP")
+    # fuzzer case: "é" ended inside the held "afé" while stops were off; "afé " ends after
+    checker = StopChecker(["é", "afé "])
+    assert checker.feed("café", may_stop=False) == ("c", False, None)
+    assert checker.feed(" x") == ("", True, "afé ")
 
 
 def test_include_stop_str_in_output():
