@@ -28,6 +28,11 @@ UNSUPPORTED_ROPE = {
 }
 # Activations transformers' ACT2FN computes as SiLU (the only MLP activation Kiln has)
 SILU_NAMES = ("silu", "swish")
+# config.json fields read as sizes (positive integers; null: the default) and as flags (JSON
+# booleans): a string or a 0 there failed deep inside the model build, and bool("false") is True
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+FLAG_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 
 
 @dataclass(frozen=True)
@@ -158,17 +163,40 @@ def _sliding_window(arch: str, cfg: dict[str, Any], num_layers: int) -> int | No
     return None
 
 
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
+def _as_id_tuple(value: Any, key: str, source: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    ids = [value] if isinstance(value, int) else value
+    # a string would be read digit by digit: "12" as the ids 1 and 2
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                            for i in ids):
+        raise ValueError(f"{source}: {key}={value!r} is not a token id or a list of them; fix "
+                         "it from the model's original config.json")
+    return tuple(ids)
+
+
+def _check_field_types(cfg: dict[str, Any], source: str) -> None:
+    for key in SIZE_FIELDS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value <= 0):
+            raise ValueError(f"{source}: {key}={value!r} is not a positive integer; fix it from "
+                             "the model's original config.json")
+    for key in FLAG_FIELDS:
+        if key in cfg and not isinstance(cfg[key], bool):
+            raise ValueError(f"{source}: {key}={cfg[key]!r} is not true or false; fix it from "
+                             "the model's original config.json")
 
 
 def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ArchConfig:
     """Validate a config.json dict and return the architecture Kiln will build."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {type(cfg).__name__}; a Hugging "
+                         "Face config.json is one")
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list):  # a bare string would be searched letter by letter
+        raise ValueError(f"{source}: architectures={archs!r} is not a list; write it as "
+                         f"[{archs!r}]".replace("'", '"'))
     supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
     if not supported:
         raise ValueError(
@@ -178,8 +206,9 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Arc
     arch = supported[0]
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads"):
-        if key not in cfg:
+        if cfg.get(key) is None:
             raise ValueError(f"{source}: missing required field {key!r}")
+    _check_field_types(cfg, source)
     num_heads = int(cfg["num_attention_heads"])
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     if num_heads % num_kv_heads:
@@ -224,5 +253,5 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Arc
         sliding_window=_sliding_window(arch, cfg, num_layers),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
+        eos_token_ids=_as_id_tuple(cfg.get("eos_token_id"), "eos_token_id", source),
     )

@@ -21,7 +21,9 @@ from kiln.models.arch import ArchConfig, arch_from_hf_config
 from kiln.models.llama import LlamaForCausalLM
 from kiln.parallel import SINGLE, TPContext
 from kiln.quant.checkpoint import setup_quantization
-from kiln.safetensors_reader import iter_safetensors
+from kiln.quant.config import CONFIG_FILE
+from kiln.quant.methods import QUANTIZED_TENSORS
+from kiln.safetensors_reader import check_floating, iter_safetensors
 
 log = logging.getLogger("kiln.loader")
 
@@ -109,8 +111,7 @@ def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's weight files, from the shard index when there is one."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = read_json(index).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
+        files = sorted({path / f for f in _index_shards(index)})
         for f in files:
             if not f.exists():
                 raise FileNotFoundError(f"safetensors shard {f.name} listed in {index.name} is "
@@ -128,6 +129,25 @@ def safetensors_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no *.safetensors weights in {path}{hint}")
 
 
+def _index_shards(index: Path) -> set[str]:
+    """The shard names ``index`` lists, each a file inside its directory: a name that leaves it
+    ('../x', an absolute path) would read weights from elsewhere on the machine."""
+    data = read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str)
+                                                   for f in weight_map.values()):
+        raise ValueError(f"{index} has no weight_map object of tensor name -> shard file name; "
+                         "the file is damaged: download it again")
+    shards = set(weight_map.values())
+    for name in shards:
+        # lexically, not resolved: a hub snapshot's shards are links into its blob store
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ValueError(f"{index} lists shard {name!r}, which is not a file inside "
+                             f"{index.parent}; Kiln reads only the checkpoint's own files: fix "
+                             "the index or download the checkpoint again")
+    return shards
+
+
 def load_checkpoint_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     expected = model.expected_checkpoint_names()
     seen: set[str] = set()
@@ -135,11 +155,18 @@ def load_checkpoint_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
         try:
             target = model.checkpoint_targets(name)
         except KeyError:
+            # Kiln's quantized layout (no "model." prefix) without its config
+            quantized = (not name.startswith("model.")
+                         and name.rpartition(".")[2] in QUANTIZED_TENSORS)
+            hint = (f"; the checkpoint looks quantized by `kiln quantize`, but {CONFIG_FILE} "
+                    "is missing beside it: restore that file or quantize the dense model again"
+                    if quantized else "")
             raise ValueError(f"{file_name}: tensor {name!r} does not belong to a "
-                             f"{model.cfg.architecture} of this config") from None
+                             f"{model.cfg.architecture} of this config{hint}") from None
         if target is None:
             continue
         module, param, shard_id = target
+        check_floating(file_name, name, tensor)
         try:
             module.load(param, tensor, shard_id) if hasattr(module, "load") \
                 else _copy_exact(getattr(module, param), tensor)

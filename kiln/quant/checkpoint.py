@@ -33,7 +33,7 @@ from kiln.quant.methods import (
     quantized_linears,
 )
 from kiln.quant.w8a8 import check_fp8_supported
-from kiln.safetensors_reader import iter_safetensors
+from kiln.safetensors_reader import check_floating, iter_safetensors
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
@@ -181,11 +181,16 @@ def read_quant_config(path: str | Path) -> QuantConfig | None:
         return QuantConfig.from_json(data, source=str(file))
     hf = path / "config.json"
     if hf.is_file():
-        qc = json.loads(hf.read_text()).get("quantization_config")
+        try:
+            config = json.loads(hf.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{hf} is not valid JSON: {exc}") from None
+        qc = config.get("quantization_config") if isinstance(config, dict) else None
         if qc is not None:
-            raise ValueError(f"{path} is quantized by another tool (quant_method="
-                             f"{qc.get('quant_method')!r}); Kiln loads its own quantized "
-                             "checkpoints only: quantize the dense model with `kiln quantize`")
+            method = qc.get("quant_method") if isinstance(qc, dict) else qc
+            raise ValueError(f"{path} is quantized by another tool (quant_method={method!r}); "
+                             "Kiln loads its own quantized checkpoints only: quantize the dense "
+                             "model with `kiln quantize`")
     return None
 
 
@@ -211,6 +216,7 @@ def load_quantized_weights(model: nn.Module, cfg: QuantConfig, files: list[Path]
         if name not in required:
             raise ValueError(f"{file_name}: tensor {name!r} does not belong to this model")
         param = params[name]
+        check_floating(file_name, name, tensor)
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"{file_name}: tensor {name!r} has shape "
                              f"{tuple(tensor.shape)}, expected {tuple(param.shape)}")
@@ -271,5 +277,9 @@ def setup_quantization(model: nn.Module, path: Path | None, quantization: str | 
                          "the checkpoint's files do not belong together: quantize the dense "
                          "model again") from None
     load_quantized_weights(model, pre, files)
-    set_kv_scales(model, pre.kv_cache_scales)
+    try:
+        set_kv_scales(model, pre.kv_cache_scales)
+    except ValueError as exc:  # scales of a model with another number of layers
+        raise ValueError(f"{path / CONFIG_FILE}: {exc}; the checkpoint's files do not belong "
+                         "together: quantize the dense model again") from None
     return True

@@ -110,12 +110,19 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
 
 
 def check_not_source(out_dir: str, model: str) -> None:
-    """Refuse an --out that is the --model directory: the quantized checkpoint would replace
-    the dense one it was made from (with --overwrite), losing the weights that any later
-    quantization needs."""
-    if Path(model).is_dir() and Path(out_dir).resolve() == Path(model).resolve():
+    """Refuse an --out that is or holds the --model directory: the quantized checkpoint would
+    replace it (with --overwrite), losing the dense weights that any later quantization
+    needs."""
+    if not Path(model).is_dir():
+        return
+    source, out = Path(model).resolve(), Path(out_dir).resolve()
+    if source == out:
         raise click.UsageError(f"--out {out_dir} is the --model directory; the quantized "
                                "checkpoint would replace the dense one: choose another --out")
+    if source.is_relative_to(out):
+        raise click.UsageError(f"--out {out_dir} holds the --model directory {model}; the "
+                               "quantized checkpoint would replace it with the dense one inside: "
+                               "choose another --out")
 
 
 def check_dense_checkpoint(model: str, path: Path) -> None:

@@ -23,6 +23,7 @@ quantized checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,7 +175,27 @@ class QuantConfig:
         fields = {k: v for k, v in data.items() if k in names}
         # configs written before lm_head_bits existed kept the LM head dense
         fields.setdefault("lm_head_bits", None)
-        return cls(**fields)
+        try:
+            _check_json_types(fields)
+            return cls(**fields)
+        except ValueError as exc:  # the checks name the field; this names the file
+            raise ValueError(f"{source}: {exc}; the file was edited or is damaged: rewrite it "
+                             "with `kiln quantize`") from None
+
+
+def _check_json_types(fields: dict[str, Any]) -> None:
+    """What ``__post_init__`` does not check: its choices catch a string where a number
+    belongs, not a string flag ("false" is true) or KV-cache scales that are no pairs."""
+    for f in dataclasses.fields(QuantConfig):
+        if isinstance(f.default, bool) and not isinstance(fields.get(f.name, False), bool):
+            raise ValueError(f"{f.name}={fields[f.name]!r} is not true or false")
+    scales = fields.get("kv_cache_scales")
+    if scales is not None and not (isinstance(scales, list) and all(
+            isinstance(pair, list) and len(pair) == 2 and all(
+                isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in pair)
+            for pair in scales)):
+        raise ValueError(f"kv_cache_scales={scales!r} is not a list of [k_scale, v_scale] "
+                         "pairs of positive numbers")
 
 
 # `--quantization NAME` at load: quantize the dense checkpoint on the fly, no calibration

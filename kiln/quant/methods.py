@@ -43,6 +43,10 @@ from kiln.quant.w8a8 import (
     w8a8_linear,
 )
 
+# every tensor name a quantized Linear stores in place of its dense weight (the specs below)
+QUANTIZED_TENSORS = frozenset({"qweight", "scales", "zeros", "perm", "smooth", "w_scales",
+                               "act_scale"})
+
 
 def _dense(layer: Linear) -> torch.Tensor | None:
     return layer._parameters.get("weight")
@@ -60,7 +64,7 @@ def _set(layer: Linear, tensors: dict[str, torch.Tensor | None]) -> None:
 def check_tensors(what: str, tensors: dict[str, torch.Tensor],
                   spec: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]) -> None:
     """Raise unless ``tensors`` are exactly ``spec``'s names, shapes and dtypes (no dtypes:
-    any float)."""
+    any floating-point one: integer scales would be converted silently)."""
     missing = sorted(set(spec) - set(tensors))
     unknown = sorted(set(tensors) - set(spec))
     if missing or unknown:
@@ -68,7 +72,8 @@ def check_tensors(what: str, tensors: dict[str, torch.Tensor],
                          f"{unknown or '-'} for this quantization config")
     for name, (shape, dtypes) in spec.items():
         t = tensors[name]
-        if tuple(t.shape) != shape or (dtypes and t.dtype not in dtypes):
+        if tuple(t.shape) != shape or (t.dtype not in dtypes if dtypes
+                                       else not t.dtype.is_floating_point):
             raise ValueError(f"{what}.{name}: got {tuple(t.shape)} {t.dtype}, expected {shape} "
                              f"{' or '.join(map(str, dtypes)) or 'float'}")
 
@@ -99,8 +104,22 @@ class WeightOnlyMethod:
                    "perm": w.perm, "smooth": w.smooth}
         self.set_tensors(layer, {k: v for k, v in tensors.items() if v is not None}, "layer")
 
+    def check_codes(self, tensors: dict[str, torch.Tensor], what: str) -> None:
+        """Refuse index and zero-point values no quantizer writes: a perm that is no
+        permutation of the input channels failed (or silently repeated channels) only at the
+        first forward; a zero point off the grid dequantizes to weights far out of range."""
+        perm = tensors.get("perm")
+        identity = None if perm is None else torch.arange(len(perm), device=perm.device)
+        if perm is not None and not torch.equal(perm.sort().values.long(), identity):
+            raise ValueError(f"{what}.perm is not a permutation of 0..{len(perm) - 1}")
+        zeros = tensors.get("zeros")
+        if zeros is not None and zeros.numel() and int(zeros.max()) >= 2**self.bits:
+            raise ValueError(f"{what}.zeros: {int(zeros.max())} is past the {self.bits}-bit "
+                             f"grid (0..{2**self.bits - 1})")
+
     def set_tensors(self, layer: Linear, tensors: dict[str, torch.Tensor], what: str) -> None:
         check_tensors(what, tensors, self.tensor_spec(layer))
+        self.check_codes(tensors, what)
         _set(layer, {
             "qweight": tensors["qweight"],
             "scales": tensors["scales"].to(layer.params_dtype),
@@ -256,5 +275,6 @@ def install_methods(model: torch.nn.Module, cfg: QuantConfig) -> list[tuple[str,
     return [(name, layer) for name, layer, _ in layers]
 
 
-__all__ = ["FP8_DTYPE", "QuantMethod", "W8A8Method", "WeightOnlyMethod", "check_tensors",
-           "install_methods", "linear_configs", "make_method", "quantized_linears"]
+__all__ = ["FP8_DTYPE", "QUANTIZED_TENSORS", "QuantMethod", "W8A8Method", "WeightOnlyMethod",
+           "check_tensors", "install_methods", "linear_configs", "make_method",
+           "quantized_linears"]

@@ -344,3 +344,32 @@ def test_sharded_16bit_checkpoint_with_index(tmp_path):
                    tie_word_embeddings=True)
     assert (path / "model.safetensors.index.json").is_file()
     assert max_rel_err(path, torch.randint(0, 97, (2, 20))) <= 1e-4
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    # a string was searched letter by letter: "LlamaForCausalLM is not supported; Kiln supports
+    # LlamaForCausalLM"
+    (dict(architectures="LlamaForCausalLM"),
+     r"architectures=\"LlamaForCausalLM\" is not a list; write it as \[\"LlamaForCausalLM\"\]"),
+    # TypeError / ZeroDivisionError from int(), or a shape error far from the cause
+    (dict(hidden_size=None), "missing required field 'hidden_size'"),
+    (dict(num_attention_heads=0), "num_attention_heads=0 is not a positive integer"),
+    (dict(num_hidden_layers=-1), "num_hidden_layers=-1 is not a positive integer"),
+    (dict(intermediate_size="96"), "intermediate_size='96' is not a positive integer"),
+    (dict(max_position_embeddings=0), "max_position_embeddings=0 is not a positive integer"),
+    # bool("false") is True: the LM head was silently replaced by the embedding
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings='false' is not true or false"),
+    # "12" was read as the token ids 1 and 2
+    (dict(eos_token_id="12"), "eos_token_id='12' is not a token id or a list of them"),
+])
+def test_config_field_of_the_wrong_type_is_named(llama_dir, fields, message):
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps({**cfg, **fields}))  # None: JSON null
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        load_model(str(llama_dir), device="cpu")
+
+
+def test_config_that_is_not_an_object_is_named(llama_dir):
+    (llama_dir / "config.json").write_text("[]")  # was AttributeError: 'list' has no 'get'
+    with pytest.raises(ValueError, match="config.json: expected a JSON object, got list"):
+        load_model(str(llama_dir), device="cpu")

@@ -142,3 +142,52 @@ def test_missing_tokenizer_json_says_which_file(model_copy):
     (model_copy / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match=r"tokenizer does not load .*tokenizer\.json"):
         load_model(str(model_copy), device="cpu")
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "absolute"])
+def test_index_naming_a_file_outside_the_checkpoint_is_refused(model_copy, where):
+    """Path traversal: the index made Kiln read weights from anywhere on the machine."""
+    _, second = _shard(model_copy)
+    outside = model_copy.parent / "outside.safetensors"
+    (model_copy / second).rename(outside)
+    name = str(outside) if where == "absolute" else where
+    index_path = model_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {k: name if f == second else f for k, f in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"lists shard '{name}', which is not a file inside"):
+        load_model(str(model_copy), device="cpu")
+
+
+@pytest.mark.parametrize("text", ["[]", "{}", '{"weight_map": ["a"]}', '{"weight_map": {"x": 3}}'])
+def test_damaged_index_is_named(model_copy, text):
+    """Used to crash with AttributeError / TypeError, or ({}) report every tensor missing."""
+    _shard(model_copy)
+    (model_copy / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match="index.json has no weight_map object .*download it "
+                                         "again"):
+        load_model(str(model_copy), device="cpu")
+
+
+def test_tensor_in_two_shards_is_refused(model_copy):
+    """The copy in the later file won silently, whatever it held."""
+    first, second = _shard(model_copy)
+    moved = load_file(str(model_copy / second))
+    name = sorted(moved)[0]
+    stale = {**load_file(str(model_copy / first)), name: torch.zeros_like(moved[name])}
+    save_file(stale, str(model_copy / first))
+    with pytest.raises(ValueError, match=f"tensor '{name}' is in both {first} and {second}"):
+        load_model(str(model_copy), device="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool])
+def test_integer_tensor_where_a_float_weight_belongs_is_refused(model_copy, dtype):
+    """Used to be converted to float and loaded (codes of another tool's format as weights)."""
+    path = model_copy / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = (tensors[name] * 100).to(dtype)
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=f"tensor '{name}' is {dtype}, but this weight is "
+                                         "floating-point"):
+        load_model(str(model_copy), device="cpu")

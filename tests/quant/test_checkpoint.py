@@ -1,10 +1,12 @@
 """quantize -> save -> load gives identical outputs; on-the-fly quantization at load; errors."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 
 from kiln.layers.attention import Attention
 from kiln.models.loader import load_model
@@ -172,3 +174,79 @@ def test_damaged_checkpoint_errors_name_the_problem(tiny_llama, tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
         load_model(str(out), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(tiny_llama, calib_file, tmp_path_factory):
+    """A W4A16 checkpoint with every weight-only tensor: scales, zeros, perm."""
+    dense = load_model(str(tiny_llama), device="cpu")
+    ids = calibration_ids(dense.tokenizer, str(calib_file), num_samples=2, seq_len=32)
+    cfg = quantize_model(dense.model, QuantConfig(method="gptq", group_size=32, symmetric=False,
+                                                  act_order=True), ids)
+    return save_quantized(dense.model, cfg, tmp_path_factory.mktemp("gptq") / "q", tiny_llama)
+
+
+@pytest.fixture
+def gptq_copy(gptq_dir, tmp_path):
+    return shutil.copytree(gptq_dir, tmp_path / "q")
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(method="nf4"), "method='nf4' is not supported"),  # the message named no file
+    # "false" is true: the error blamed the tensors ("unexpected ['zeros']")
+    (dict(symmetric="false"), "symmetric='false' is not true or false"),
+    (dict(act_order=1), "act_order=1 is not true or false"),
+    # a string of the right length passed; negative scales loaded
+    (dict(kv_cache_scales="xy"), "kv_cache_scales='xy' is not a list of"),
+    (dict(kv_cache_scales=[[-1.0, 1.0], [1.0, 1.0]]), r"kv_cache_scales=\[\[-1.0, 1.0\], .* "
+                                                       "positive numbers"),
+    # right shape, wrong count: the message named neither file nor fix
+    (dict(kv_cache_scales=[[1.0, 1.0]]), "1 KV-cache scale pairs for 2 attention layers; .*"
+                                         "quantize the dense model again"),
+])
+def test_edited_quant_config_is_named_with_its_field(gptq_copy, fields, message):
+    config = json.loads((gptq_copy / CONFIG_FILE).read_text())
+    (gptq_copy / CONFIG_FILE).write_text(json.dumps({**config, **fields}))
+    with pytest.raises(ValueError, match=f"{CONFIG_FILE}: {message}"):
+        load_model(str(gptq_copy), device="cpu")
+
+
+LAYER = "layers.0.mlp.down_proj"
+
+
+@pytest.mark.parametrize(("name", "edit", "message"), [
+    # integer scales were converted silently
+    (f"{LAYER}.scales", lambda t: t.to(torch.int32), r"scales: got \(64, 3\) torch.int32, "
+                                                     "expected .* float"),
+    # IndexError at the first forward, or channels silently repeated
+    (f"{LAYER}.perm", lambda t: t + 1000, "perm is not a permutation of 0..95"),
+    (f"{LAYER}.perm", torch.zeros_like, "perm is not a permutation of 0..95"),
+    # dequantized to weights far out of range
+    (f"{LAYER}.zeros", lambda t: torch.full_like(t, 200), "zeros: 200 is past the 4-bit grid"),
+    # a dense tensor beside the codes: converted silently too
+    ("norm.weight", lambda t: t > 1, "tensor 'norm.weight' is torch.bool, but this weight is "
+                                     "floating-point"),
+])
+def test_tensor_values_no_quantizer_writes_are_refused(gptq_copy, name, edit, message):
+    path = gptq_copy / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors[name] = edit(tensors[name])
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=message):
+        load_model(str(gptq_copy), device="cpu")
+
+
+def test_quantized_weights_without_their_config_name_the_file(gptq_copy):
+    """The dense loader said only that qweight does not belong to the model."""
+    (gptq_copy / CONFIG_FILE).unlink()
+    with pytest.raises(ValueError, match=f"looks quantized by `kiln quantize`, but {CONFIG_FILE} "
+                                         "is missing beside it"):
+        load_model(str(gptq_copy), device="cpu")
+
+
+def test_other_tools_quantization_config_of_any_type_is_refused(tiny_llama, tmp_path):
+    hf = shutil.copytree(tiny_llama, tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "quantization_config": "fp8"}))
+    with pytest.raises(ValueError, match=r"quantized by another tool \(quant_method='fp8'\)"):
+        load_model(str(hf), device="cpu")  # was AttributeError: 'str' has no 'get'

@@ -3,6 +3,7 @@ checkpoint unasked, replaces one cleanly when asked, and writes files the umask 
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,16 @@ def test_quantized_checkpoint_as_model_is_refused(tiny_llama, calib_file, tmp_pa
     assert "is already quantized (W8A16 channel sym (rtn)); kiln quantize takes a dense " \
            "checkpoint" in " ".join(again.output.split())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # nothing half-written
+
+
+def test_out_that_holds_the_model_is_refused(tiny_llama, tmp_path, no_loading):
+    """--overwrite replaced the checkpoint directory holding --model, deleting the dense
+    weights the run was reading."""
+    parent = tmp_path / "checkpoints"
+    parent.mkdir()
+    (parent / "config.json").write_text("{}")
+    dense = shutil.copytree(tiny_llama, parent / "dense")
+    result = quantize(dense, parent, "--method", "rtn", "--overwrite")
+    assert result.exit_code == 2
+    assert f"--out {parent} holds the --model directory {dense}" in " ".join(result.output.split())
+    assert sorted(p.name for p in parent.iterdir()) == ["config.json", "dense"]
