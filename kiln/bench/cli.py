@@ -14,7 +14,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from kiln.bench.workload import DATASET_NAMES, WorkloadSpec
+from kiln.bench.workload import DATASET_NAMES, WorkloadSpec, build_requests
 from kiln.cli_options import HELP_OPTIONS, engine_options, result_dir
 from kiln.zoo import DEFAULT_MODEL
 
@@ -80,14 +80,20 @@ def make_spec(seed: int | None, workload_file: str | None, dataset_name: str,
               "random_range_ratio": random_range_ratio, "prefix_len": prefix_len}
     try:
         if workload_file is None:
-            return WorkloadSpec(**values, seed=seed or 0)
-        given = {k: v for k, v in values.items()
-                 if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
-        if seed is not None:
-            given["seed"] = seed
-        return WorkloadSpec.from_file(workload_file, **given)
+            spec = WorkloadSpec(**values, seed=seed or 0)
+        else:
+            given = {k: v for k, v in values.items()
+                     if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+            if seed is not None:
+                given["seed"] = seed
+            spec = WorkloadSpec.from_file(workload_file, **given)
+        if spec.dataset_name == "jsonl":
+            # read now: a bad line or a short file fails here, not after the model has loaded
+            # (the model's vocabulary bound is checked again once it is known)
+            build_requests(spec)
     except (ValueError, FileNotFoundError) as exc:
         raise click.BadParameter(str(exc)) from None
+    return spec
 
 
 def _given_seed(seed: int) -> int | None:
@@ -218,10 +224,15 @@ def serve_command(base_url: str, endpoint: str, model: str | None,
 def workload_command(seed: int, vocab_size: int | None, out_path: str,
                      **workload: Any) -> None:
     """Write a workload's requests as token ids, to replay them on any engine."""
-    from kiln.bench.workload import build_requests, write_jsonl
+    from kiln.bench.workload import write_jsonl
 
     spec = make_spec(_given_seed(seed), **workload)
-    requests = build_requests(spec, vocab_size)
+    if spec.dataset_name == "jsonl" and Path(out_path).resolve() == Path(
+            str(spec.dataset_path)).resolve():
+        raise click.BadParameter(f"{out_path} is also the --dataset-path: writing it would "
+                                 "replace that dataset (and lose its lines past --num-prompts); "
+                                 "choose another --out", param_hint="--out")
+    requests = _guard(build_requests, spec, vocab_size)
     write_jsonl(requests, Path(out_path))
     click.echo(f"wrote {len(requests)} requests to {out_path}")
 
@@ -237,9 +248,9 @@ def _vocab_size(model: str | None) -> int | None:
         raise click.BadParameter(f"--model {model}: {exc}") from None
 
 
-def _guard(fn: Any, cfg: Any) -> dict[str, Any]:
+def _guard(fn: Any, *args: Any) -> Any:
     """Turn expected failures (bad input, unreachable server) into a clean CLI error."""
     try:
-        return fn(cfg)
+        return fn(*args)
     except (ValueError, TypeError, FileNotFoundError, TimeoutError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None

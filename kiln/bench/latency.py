@@ -83,8 +83,21 @@ def _bandwidth(m: dict[str, Any], batch_size: int, input_len: int, output_len: i
     m["bandwidth_utilization"] = m["achieved_gbps"] / ceiling_gbps
 
 
+def check_cases(cfg: LatencyConfig, max_model_len: int) -> None:
+    """Refuse a case past the context before any case runs: run_requests checks each batch as
+    it comes, so the case would otherwise fail only after the cases before it had run."""
+    for i in cfg.input_lens:
+        for o in cfg.output_lens:
+            if i + o > max_model_len:
+                raise ValueError(
+                    f"--input-len {i} + --output-len {o} needs {i + o} tokens of context, more "
+                    f"than max_model_len={max_model_len}: lower them (or raise --max-model-len "
+                    f"where the model allows)")
+
+
 def _run_kiln(cfg: LatencyConfig, progress: Any) -> tuple[list[dict], list[dict], dict]:
     llm = offline.build_llm(cfg.model, cfg.engine_kwargs)
+    check_cases(cfg, llm.engine.max_model_len)
     loaded = llm.engine.loaded
     info = {"weight_bytes": offline.weight_bytes(loaded.model),
             "kv_bytes_per_token": offline.kv_bytes_per_token(llm), "dtype": loaded.dtype,

@@ -25,6 +25,13 @@ DATASET_NAMES = ("fixed", "random", "jsonl")
 TOKEN_ID_LOW, TOKEN_ID_HIGH = 10, 120000
 # fields that only the generated workloads (fixed, random) read
 _GENERATED_ONLY = ("input_len", "random_range_ratio", "prefix_len", "token_id_low", "token_id_high")
+_INT_FIELDS = ("num_prompts", "input_len", "output_len", "prefix_len", "seed", "token_id_low",
+               "token_id_high")
+
+
+def _is_int(value: Any) -> bool:
+    """An integer as JSON means one: true and false are Python ints too, but not counts."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,13 @@ class WorkloadSpec:
     token_id_high: int = TOKEN_ID_HIGH
 
     def __post_init__(self) -> None:
+        # a workload file's "16" or 2.5 would otherwise fail deep in numpy, as a TypeError
+        for name in _INT_FIELDS:
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if not (_is_int(self.random_range_ratio) or isinstance(self.random_range_ratio, float)):
+            raise ValueError(f"random_range_ratio must be a number, got "
+                             f"{self.random_range_ratio!r}")
         if self.dataset_name not in DATASET_NAMES:
             raise ValueError(f"dataset_name={self.dataset_name!r}; choose one of "
                              f"{', '.join(DATASET_NAMES)}")
@@ -75,13 +89,22 @@ class WorkloadSpec:
     def from_file(cls, path: str | Path, **overrides: Any) -> WorkloadSpec:
         """A canonical workload (benchmarks/workloads/*.json); ``overrides`` win."""
         fields = {f.name for f in dataclasses.fields(cls)}
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a workload is one JSON object of fields, not a "
+                             f"{type(data).__name__}")
         unknown = sorted(set(data) - fields - {"description"})
         if unknown:
             raise ValueError(f"{path}: unknown workload field(s) {', '.join(unknown)}; valid: "
                              f"{', '.join(sorted(fields))}")
         data = {k: v for k, v in data.items() if k in fields}
-        return cls(**{**data, **overrides})
+        try:
+            return cls(**{**data, **overrides})
+        except ValueError as exc:  # (flags are checked by the CLI: a bad value is the file's)
+            raise ValueError(f"{path}: {exc}") from None
 
 
 @dataclass
@@ -147,13 +170,14 @@ def _parse_line(obj: Any, where: str, default_output_len: int) -> BenchRequest:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object")
     prompt = obj.get("prompt_token_ids", obj.get("prompt"))
-    is_ids = isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    is_ids = isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)
     if not (is_ids or (isinstance(prompt, str) and prompt)):
         raise ValueError(f"{where}: needs 'prompt' (non-empty text or token ids) or "
                          f"'prompt_token_ids'")
+    if is_ids and min(prompt) < 0:
+        raise ValueError(f"{where}: token id {min(prompt)} is negative; ids start at 0")
     output_len = obj.get("output_len", obj.get("max_tokens", default_output_len))
-    if not isinstance(output_len, int) or output_len < 1:
+    if not _is_int(output_len) or output_len < 1:
         raise ValueError(f"{where}: output_len must be an integer >= 1, got {output_len!r}")
     return BenchRequest(list(prompt) if is_ids else prompt, output_len)
 

@@ -75,6 +75,12 @@ def sliding_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int
     return spans
 
 
+def effective_stride(window: int, stride: int | None) -> int:
+    """The tokens each window advances: `stride` (default window / 2), capped at window - 1 as
+    sliding_windows caps it. An explicit 0 stays 0, for sliding_windows to refuse."""
+    return min(max(1, window // 2) if stride is None else stride, window - 1)
+
+
 def _scored_logits(
     logits_fn: LogitsFn,
     ids: torch.Tensor,
@@ -82,10 +88,8 @@ def _scored_logits(
     stride: int | None,
     on_window: WindowCallback | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield (logits [k, V] float32, targets [k]) for each window's newly scored targets
-    (stride default window/2; an explicit 0 reaches sliding_windows' check, not the default)."""
-    stride = max(1, window // 2) if stride is None else stride
-    spans = sliding_windows(ids.numel(), window, stride)
+    """Yield (logits [k, V] float32, targets [k]) for each window's newly scored targets."""
+    spans = sliding_windows(ids.numel(), window, effective_stride(window, stride))
     for done, (begin, end, first) in enumerate(spans, 1):
         logits = logits_fn(ids[begin:end].unsqueeze(0))[0]  # [end - begin, V]
         if on_window is not None:
@@ -216,6 +220,17 @@ def _window(window: int | None, models: dict[str, Any]) -> int:
     return window
 
 
+def _tokenizer(model: str, loaded: Any) -> Any:
+    """The loaded model's tokenizer; a checkpoint without one (it loads, as prompts of token
+    ids need none) as a one-line CLI error."""
+    if loaded.tokenizer is None:
+        raise click.ClickException(
+            f"{model} has no tokenizer files (tokenizer.json, tokenizer_config.json): scoring "
+            "text needs them; copy them from the model this checkpoint came from"
+        )
+    return loaded.tokenizer
+
+
 def _encode(
     tokenizer: Any, texts: Iterable[str], max_tokens: int | None, source: str
 ) -> torch.Tensor:
@@ -264,11 +279,13 @@ def ppl_cmd(
     texts = _texts(dataset, file)
     loaded = _load(model, dtype, device, quantization)
     window = _window(window, {model: loaded})
-    ids = _encode(loaded.tokenizer, texts, max_tokens, str(file or dataset))
+    ids = _encode(_tokenizer(model, loaded), texts, max_tokens, str(file or dataset))
     with _progress() as on_window:
         result = perplexity(kiln_logits_fn(loaded), ids, window, stride, on_window)
     quant = f"  quantization: {quantization}" if quantization else ""
-    typer.echo(f"model: {model}{quant}  data: {file or dataset}  window: {window}")
+    # the stride as run (a --stride past the window is capped): it shapes the perplexity too
+    typer.echo(f"model: {model}{quant}  data: {file or dataset}  window: {window}  "
+               f"stride: {effective_stride(window, stride)}")
     typer.echo(f"tokens evaluated: {result.num_tokens}")
     typer.echo(f"perplexity: {result.perplexity:.4f}")
 
@@ -287,7 +304,7 @@ def agree_cmd(
     target = _load(model, dtype, device)
     small = _load(draft, dtype, device)
     window = _window(window, {model: target, draft: small})
-    ids = _encode(target.tokenizer, texts, max_tokens, DATASETS[0])
+    ids = _encode(_tokenizer(model, target), texts, max_tokens, DATASETS[0])
     with _progress() as on_window:
         result = greedy_agreement(
             kiln_logits_fn(target), kiln_logits_fn(small), ids, window, on_window=on_window

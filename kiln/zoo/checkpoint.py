@@ -58,9 +58,10 @@ def read_log(out_dir: Path) -> list[dict[str, float | None]]:
         return [{k: float(v) if v != "" else None for k, v in r.items()} for r in csv.DictReader(f)]
 
 
-def _truncate_log(out_dir: Path, last_step: int) -> None:
-    # Rows logged after the checkpoint were lost with the interrupted run; the resumed run
-    # logs those steps again, so drop them rather than keep two copies.
+def truncate_log(out_dir: Path, last_step: int) -> None:
+    """Drop the log rows past `last_step`, where a run (re)starts: rows an interrupted run
+    logged after its checkpoint (or before its first one, for a fresh start) are logged again
+    by this run, and two copies would mix in the CSV and loss.png."""
     path = out_dir / LOG_NAME
     if not path.is_file():
         return
@@ -101,7 +102,6 @@ def load_checkpoint(
     # weights_only: the optimizer file holds tensors and numbers only, never arbitrary objects.
     optim_state = torch.load(ckpt_dir / "optimizer.pt", map_location=device, weights_only=True)
     optimizer.load_state_dict(optim_state)
-    _truncate_log(ckpt_dir.parent, state.step)
     return state
 
 

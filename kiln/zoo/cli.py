@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Annotated
@@ -31,8 +32,10 @@ def _directory(path: Path) -> Path:
 
 
 def _positive(value: float | None) -> float | None:
-    if value is not None and value <= 0:
-        raise typer.BadParameter(f"{value:g} must be > 0")
+    # nan passes a `<= 0` test and inf is > 0: a nan budget fails after the timing steps, an
+    # inf learning rate trains a nan model and writes it out
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{value:g} must be > 0 and finite")
     return value
 
 

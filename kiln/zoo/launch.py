@@ -15,6 +15,7 @@ from kiln.zoo.train import (
     TrainConfig,
     autocast,
     build_model,
+    check_out_dir,
     llama_config,
     make_optimizer,
     resolve_device,
@@ -51,6 +52,7 @@ def run_training(
 ) -> TrainState:
     """Train `cfg`; with `budget_s`, first set cfg.steps to what fits that many seconds here."""
     if budget_s is not None:
+        check_out_dir(cfg.out_dir)  # (train checks it too, but the estimate runs first)
         cfg.steps = estimate_steps(cfg, budget_s)
         cfg.warmup_steps = None
         cfg.__post_init__()  # re-derive the warmup from the new step count

@@ -23,12 +23,14 @@ from kiln.zoo.checkpoint import (
     append_log,
     load_checkpoint,
     save_checkpoint,
+    truncate_log,
     write_final_model,
 )
 from kiln.zoo.tokenizer import load_tokenizer, special_ids
 
 # The shared tokenizer lives with kiln-tiny; every zoo model is trained with it unchanged.
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "models" / "kiln-tiny"
+CHECKPOINT = "checkpoint"  # the resumable state's subdirectory of the output directory
 
 
 @dataclass(frozen=True)
@@ -189,8 +191,20 @@ def heldout_loss(model: LlamaForCausalLM, chunks: torch.Tensor, device: torch.de
     return loss
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an out_dir that holds a model no checkpoint of a zoo run resumes (another
+    model's directory, or a finished run whose checkpoint was deleted): training would
+    overwrite its weights and configs, and leave its other files beside the new model."""
+    if (out_dir / "config.json").is_file() and not (out_dir / CHECKPOINT / "state.json").is_file():
+        raise ValueError(
+            f"{out_dir} holds a model (config.json) but no zoo checkpoint to resume "
+            f"({CHECKPOINT}/state.json); training would overwrite it: choose another --out"
+        )
+
+
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainState:
     """Train (or resume) the model described by `cfg`; write the HF model dir when done."""
+    check_out_dir(cfg.out_dir)
     device = resolve_device(cfg.device)
     ctx_len = cfg.preset.context_len
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
@@ -213,10 +227,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainState:
     model = build_model(config, cfg.seed).to(device)
     optimizer = make_optimizer(model, cfg, device)
     state = TrainState(fingerprint=cfg.fingerprint(), num_params=model.num_parameters())
-    ckpt_dir = cfg.out_dir / "checkpoint"
+    ckpt_dir = cfg.out_dir / CHECKPOINT
     if (ckpt_dir / "state.json").is_file():
         state = load_checkpoint(ckpt_dir, model, optimizer, cfg.fingerprint(), device)
         log(f"resumed from {ckpt_dir} at step {state.step}")
+    truncate_log(cfg.out_dir, state.step)
     log(f"model: {state.num_params:,} parameters on {device}; {cfg.steps} steps")
 
     model.train()

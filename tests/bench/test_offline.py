@@ -130,3 +130,47 @@ def test_an_output_dir_holding_a_run_is_refused_before_the_run(tmp_path, monkeyp
                         lambda cfg: pytest.fail("the run started"))
     res = CliRunner().invoke(main, ["bench", "throughput", "--output-dir", str(tmp_path)])
     assert res.exit_code == 2 and "already holds a run's results" in res.output, res.output
+
+
+def test_a_bad_jsonl_dataset_fails_before_the_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr("kiln.bench.offline.build_llm",
+                        lambda *args: pytest.fail("the model loaded"))
+    data = tmp_path / "w.jsonl"
+    for text, message in [("", "holds 0 prompts"), ("not json\n", "w.jsonl:1: not valid JSON")]:
+        data.write_text(text)
+        res = CliRunner().invoke(main, ["bench", "throughput", "--dataset-name", "jsonl",
+                                        "--dataset-path", str(data), "--num-prompts", "1",
+                                        "--output-dir", str(tmp_path / "tp")])
+        assert res.exit_code == 2 and message in res.output, res.output
+
+
+def test_bench_workload_errors_are_one_line_and_keep_the_dataset(tmp_path):
+    data = tmp_path / "w.jsonl"
+    res = CliRunner().invoke(main, ["bench", "workload", "--dataset-name", "jsonl",
+                                    "--dataset-path", str(data), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and f"dataset file {data} does not exist" in res.output, res.output
+    _run(["bench", "workload", "--num-prompts", "3", "--input-len", "4", "--out", str(data)])
+    res = CliRunner().invoke(main, ["bench", "workload", "--dataset-name", "jsonl",
+                                    "--dataset-path", str(data), "--num-prompts", "1",
+                                    "--out", str(data)])
+    assert res.exit_code == 2 and "is also the --dataset-path" in res.output, res.output
+    assert len(data.read_text().splitlines()) == 3
+    res = CliRunner().invoke(main, ["bench", "workload", "--dataset-name", "jsonl",
+                                    "--dataset-path", str(data), "--num-prompts", "1",
+                                    "--vocab-size", "11", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 1 and "outside the model's vocabulary of 11" in res.output
+    assert not isinstance(res.exception, ValueError)  # a clean exit, not a traceback
+
+
+def test_a_latency_case_past_the_context_fails_before_any_case_runs(tiny_llama, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.setattr("kiln.bench.offline.run_requests",
+                        lambda *args: pytest.fail("a case ran"))
+    out = tmp_path / "lat"
+    res = CliRunner().invoke(main, [
+        "bench", "latency", "--model", str(tiny_llama), "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "32", "--batch-size", "1", "--input-len", "8,30", "--output-len", "4",
+        "--bandwidth-gbps", "10", "--output-dir", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "--input-len 30 + --output-len 4 needs 34 tokens" in res.output
+    assert "max_model_len=32" in res.output and not out.exists()

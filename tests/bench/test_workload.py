@@ -107,3 +107,26 @@ def test_jsonl_token_ids_past_the_vocabulary_name_the_line_and_the_fix(tmp_path)
     spec = WorkloadSpec("jsonl", dataset_path=str(path), num_prompts=2)
     with pytest.raises(ValueError, match="w.jsonl:2"):
         build_requests(spec, vocab_size=8192)
+
+
+def test_workload_files_that_are_not_objects_of_typed_fields_name_the_file(tmp_path):
+    """Not a TypeError from deep in numpy, nor a JSON error that does not say which file."""
+    path = tmp_path / "w.json"
+    for text, message in [("nope", "not valid JSON"), ("[1, 2]", "a workload is one JSON object"),
+                          ('{"num_prompts": "16"}', "num_prompts must be an integer, got '16'"),
+                          ('{"input_len": 2.5}', "input_len must be an integer, got 2.5"),
+                          ('{"output_len": true}', "output_len must be an integer, got True"),
+                          ('{"random_range_ratio": "0.5"}', "random_range_ratio must be a num")]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"w.json: {message}"):
+            WorkloadSpec.from_file(path)
+
+
+def test_jsonl_refuses_negative_token_ids_and_boolean_lengths(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": [5, -3]}) + "\n")
+    with pytest.raises(ValueError, match="w.jsonl:1: token id -3 is negative"):
+        load_jsonl(path, 1, 4)
+    path.write_text(json.dumps({"prompt_token_ids": [5, 3], "output_len": True}) + "\n")
+    with pytest.raises(ValueError, match="w.jsonl:1: output_len must be an integer >= 1"):
+        load_jsonl(path, 1, 4)

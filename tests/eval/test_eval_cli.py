@@ -66,3 +66,23 @@ def test_ppl_defaults_to_kiln_tiny_and_scores_a_small_run():
     assert "model: kiln-tiny  data: zoo-heldout  window: 32" in result.output
     assert "tokens evaluated: 63" in result.output
     assert 1.0 < float(result.output.split("perplexity:")[1]) < 1000.0
+
+
+def test_ppl_refuses_a_model_without_tokenizer_files(tmp_path):
+    """Scoring text needs the tokenizer: a one-line error, not an AttributeError traceback."""
+    from tiny_models import build_model
+
+    model = build_model("llama3.1", tmp_path / "no-tokenizer", tokenizer=False)
+    text = tmp_path / "sample.py"
+    text.write_text("x = 1\n")
+    result = kiln("eval", "ppl", "--model", str(model), "--device", "cpu", "--file", str(text))
+    assert_fails_cleanly(result, f"Error: {model} has no tokenizer files")
+
+
+def test_ppl_reports_the_stride_it_ran():
+    """A --stride past the window is capped at window - 1; the report says so, as the stride
+    shapes the perplexity as much as the window does."""
+    result = kiln("eval", "ppl", "--model", "kiln-tiny-draft", "--device", "cpu",
+                  "--max-tokens", "40", "--window", "16", "--stride", "1000")  # fmt: skip
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "window: 16  stride: 15" in result.output

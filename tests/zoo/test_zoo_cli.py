@@ -45,6 +45,9 @@ def test_out_that_is_a_file_is_refused(command: list[str], below: str, a_file: P
         (["--lr", "-1"], "Invalid value for '--lr': -1 must be > 0"),
         (["--lr", "0"], "Invalid value for '--lr': 0 must be > 0"),
         (["--budget-s", "0"], "Invalid value for '--budget-s': 0 must be > 0"),
+        (["--budget-s", "nan"], "Invalid value for '--budget-s': nan must be > 0 and finite"),
+        (["--lr", "inf"], "Invalid value for '--lr': inf must be > 0 and finite"),
+        (["--lr", "nan"], "Invalid value for '--lr': nan must be > 0 and finite"),
         (["--max-files", "0"], "Invalid value for '--max-files'"),
         (["--steps", "0"], "Invalid value for '--steps'"),
         (["--batch-size", "0"], "Invalid value for '--batch-size'"),
@@ -70,6 +73,19 @@ def test_corpus_root_without_python_files_is_refused(tmp_path: Path):
     (empty / "notes.txt").write_text("not python\n")
     result = kiln(*TRAIN, "--out", str(tmp_path / "out"), "--corpus-root", str(empty))
     assert_fails_cleanly(result, f"no *.py files under {empty}")
+
+
+@pytest.mark.parametrize("extra", [[], ["--budget-s", "5"]])
+def test_out_holding_a_model_without_a_checkpoint_is_refused(extra: list[str], tmp_path: Path):
+    """Another model's directory (or a finished run whose checkpoint is gone) would be
+    overwritten: refused before any training, with its files left as they were."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    result = kiln(*TRAIN[:4], "--max-files", "2", "--device", "cpu", "--out", str(tmp_path),
+                  *extra)  # fmt: skip
+    assert_fails_cleanly(result, f"{tmp_path} holds a model (config.json) but no zoo checkpoint")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert (tmp_path / "model.safetensors").read_bytes() == b"weights"
 
 
 def test_setup_errors_are_one_line(tmp_path: Path):

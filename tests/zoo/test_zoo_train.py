@@ -85,6 +85,20 @@ def test_resumed_run_continues_from_its_checkpoint(full_run: Path, tmp_path: Pat
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
 
 
+def test_a_fresh_start_drops_the_log_rows_of_a_run_stopped_before_its_first_checkpoint(
+    tmp_path: Path,
+):
+    """Such a run leaves training_log.csv and no checkpoint; the new run logs those steps again,
+    and the CSV (and loss.png) must hold them once, from this run."""
+    out = tmp_path / "restarted"
+    out.mkdir()
+    stale = "step,tokens_seen,lr,train_loss,heldout_loss,grad_norm,wall_s\n5,2560,0.003,99,,1,1\n"
+    (out / "training_log.csv").write_text(stale)
+    train(out, "--stop-at", "10")
+    rows = read_log(out)
+    assert [r["step"] for r in rows] == [5, 10] and rows[0]["train_loss"] != 99
+
+
 def test_schedule_warms_up_then_decays_to_the_floor():
     cfg = TrainConfig(size="micro", out_dir=Path("unused"), steps=100, warmup_steps=10, lr=1.0)
     lrs = [lr_at(s, cfg) for s in range(100)]
