@@ -6,7 +6,10 @@ import math
 from dataclasses import dataclass
 
 # Below this temperature a request is greedy: dividing logits by ~0 would overflow, and the
-# distribution is a point mass on the argmax anyway (vLLM uses the same threshold).
+# distribution is a point mass on the argmax anyway (vLLM's sampler uses the same threshold).
+# Deliberately unlike vLLM, a temperature in (0, 0.01) is kept: vLLM's SamplingParams raises
+# it to 0.01 (with a warning) against NaNs, which float32 logits with the max subtracted in
+# softmax do not produce here, so 1e-6 is greedy and 1e-3 samples at 1e-3.
 SAMPLING_EPS = 1e-5
 # vLLM's cap on logprobs; larger values make the top-k gather and host transfer costly.
 MAX_LOGPROBS = 20

@@ -1,7 +1,8 @@
 """Batched token sampling: one call per engine step, no host synchronization inside.
 
 Pipeline per step (all rows at once): repetition/frequency/presence penalties -> min_tokens
-mask -> greedy argmax -> temperature -> top-k -> top-p -> min-p -> exponential race. Branches
+mask -> greedy argmax -> temperature -> min-p -> top-k -> top-p -> exponential race (vLLM v1's
+order; transformers applies min-p last, which differs when min-p and top-p are combined). Branches
 depend only on host metadata (e.g. "some row uses top-k"), never on tensor values, so the
 caller decides when to wait for the GPU (by reading `SamplerOutput.token_ids`).
 """
@@ -59,7 +60,9 @@ class LogprobsTensors:
     asked for fewer than `topk_*.shape[1]` slice their own k on the host."""
 
     token_logprobs: Tensor  # [num_rows] float32
-    token_ranks: Tensor  # [num_rows] int64, 1 = most likely (OpenAI / vLLM convention)
+    # [num_rows] int64, 1 = most likely (OpenAI / vLLM convention). Tied tokens share the
+    # best rank (1 + the count strictly above); vLLM counts ties as above, giving the worst.
+    token_ranks: Tensor
     topk_token_ids: Tensor  # [num_rows, max_k] int64, most likely first
     topk_logprobs: Tensor  # [num_rows, max_k] float32
 
@@ -130,8 +133,9 @@ class SamplingMetadata:
         eos_token_ids: Sequence[int] = (),
     ) -> SamplingMetadata:
         """One row per sequence. `eos_token_ids` are masked (with each row's stop_token_ids)
-        while a row has fewer than min_tokens outputs, unless the row sets ignore_eos (then EOS
-        is just another token, as in vLLM)."""
+        while a row has fewer than min_tokens outputs, ignore_eos or not: as in vLLM, min_tokens
+        forbids EOS before that many tokens, and ignore_eos only keeps EOS from ending the
+        output afterwards."""
         num_seqs = len(params)
         if not len(generators) == len(output_token_ids) == len(prompt_token_ids) == num_seqs:
             raise ValueError(
@@ -175,7 +179,7 @@ class SamplingMetadata:
         ids: list[int] = []
         for i, p in enumerate(params):
             if len(output_token_ids[i]) < p.min_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+                banned = set(p.stop_token_ids) | set(eos_token_ids)
                 rows += [i] * len(banned)
                 ids += sorted(banned)
         min_rows = _to_device(rows, torch.int64, device) if rows else None
@@ -346,10 +350,12 @@ class Sampler:
     def _sample_random(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         if meta.temperature is not None:
             logits.div_(meta.temperature)
-        if meta.top_k is not None or meta.top_p is not None:
-            apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
+        # min-p before top-k/top-p, as in vLLM v1: the nucleus is then taken over the tokens
+        # min-p kept (renormalized), so the same top_p + min_p gives the same distribution.
         if meta.min_p is not None:
             apply_min_p(logits, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / q), q ~ Exp(1), is a draw from p without a CDF search.
         # Seeded rows draw q from their own generator so their tokens ignore the batch around

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kiln.sampling import Sampler, SamplingMetadata, SamplingParams
+from kiln.sampling import SAMPLING_EPS, Sampler, SamplingMetadata, SamplingParams
 from kiln.sampling.sampler import apply_penalties
 
 VOCAB = 12
@@ -101,6 +101,19 @@ def test_min_p_never_leaves_allowed_set():
     assert seen == allowed
 
 
+def test_min_p_applies_before_top_p_as_in_vllm():
+    # probs 0.4, 0.3, 0.1 x 3. min_p 0.3 keeps {0, 1} (>= 0.12), renormalized to 4/7, 3/7;
+    # top_p 0.5 over those keeps {0} alone (vLLM v1's order). Top-p first (transformers'
+    # order) would keep {0, 1} (0.4 < 0.5) and min-p would then keep both.
+    row = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.1]).log()
+    torch.manual_seed(13)
+    tokens = draw(SamplingParams(top_p=0.5, min_p=0.3), row, 2000)
+    assert set(tokens.tolist()) == {0}
+    # top_p 0.6: token 1 crosses p over min-p's set and is kept, as vLLM keeps it.
+    tokens = draw(SamplingParams(top_p=0.6, min_p=0.3), row, 2000)
+    assert set(tokens.tolist()) == {0, 1}
+
+
 def test_rows_without_filters_unaffected_by_filtered_neighbours():
     row = distinct_logits(1, VOCAB, seed=8)[0] / 3.0
     logits = row.expand(2000, -1).contiguous()
@@ -128,6 +141,20 @@ def test_temperature_frequencies_match_softmax(temperature):
     assert chi_square(tokens, target) < 30
     other = torch.softmax(logits / (temperature * 1.5), dim=-1)
     assert chi_square(tokens, other) > 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smallest_sampled_temperature_stays_finite(dtype):
+    # vLLM raises temperatures below 0.01 to 0.01 against NaNs; Kiln keeps them (params.py),
+    # which is safe only while 1e-5 over large and masked logits draws cleanly.
+    torch.manual_seed(14)
+    logits = torch.randn(8, 1000) * 50
+    logits[:, :100] = float("-inf")
+    params = SamplingParams(temperature=SAMPLING_EPS, top_p=0.9, min_p=0.1, logprobs=2)
+    assert not params.greedy
+    out = Sampler().sample(logits.to(dtype), build([params] * 8))
+    assert torch.equal(out.token_ids, logits.to(dtype).float().argmax(dim=-1))
+    assert torch.isfinite(out.logprobs.token_logprobs).all()
 
 
 def test_penalties_match_hand_computed_example():
@@ -163,8 +190,18 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     )
     assert sample(params, [3]) == 2  # EOS (0) and stop id 1 masked
     assert sample(params, [3, 3]) == 0  # min_tokens reached
+
+
+def test_min_tokens_masks_eos_even_with_ignore_eos():
+    # vLLM masks every EOS id during min_tokens whatever ignore_eos says (ignore_eos only keeps
+    # EOS from ending the output), so the first min_tokens tokens are never EOS.
+    logits = torch.tensor([[5.0, 4.0, 3.0, 1.0]])
     ignore = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1], ignore_eos=True)
-    assert sample(ignore, [3]) == 0  # EOS is an ordinary token when ignored
+    sample = lambda outputs: (
+        Sampler().sample(logits, build([ignore], outputs=[outputs], eos=[0])).token_ids.item()
+    )
+    assert sample([3]) == 2
+    assert sample([3, 3]) == 0  # past min_tokens EOS is an ordinary token
 
 
 def test_build_rejects_mismatched_rows():
