@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.inputs import PromptLike, normalize_prompts
+from kiln.engine.inputs import PromptLike, normalize_prompts, render_chat
 from kiln.engine.llm_engine import LLMEngine
 from kiln.models.loader import resolve_device
 from kiln.outputs import RequestOutput
@@ -87,3 +87,22 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return [finished[rid] for rid in request_ids]
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation ([{"role": ..., "content": ...}, ...]) or a
+        list of them, rendered with the model's chat template (or ``chat_template``, a Jinja
+        string) and generated as ``generate`` does; one ``RequestOutput`` per conversation.
+        ``chat_template_kwargs`` are the template's own variables (Qwen3's enable_thinking)."""
+        if not messages:
+            raise ValueError("messages is empty; give a conversation or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if self.tokenizer is None or not template:
+            raise ValueError("this model has no chat template: pass chat_template= (a Jinja "
+                             "string), or generate() from a prompt")
+        prompts = [render_chat(self.tokenizer, c, template, add_generation_prompt,
+                               chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params)

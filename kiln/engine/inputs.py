@@ -56,3 +56,29 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
         raise ValueError(f"prompt has {num_prompt_tokens} tokens but max_model_len is "
                          f"{max_model_len}: at most {max_model_len - 1} prompt tokens leave room "
                          f"for one generated token")
+
+
+def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], template: str,
+                add_generation_prompt: bool = True,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A conversation ([{"role": ..., "content": ...}, ...]) rendered with ``template`` and
+    tokenized; ValueError says what is wrong (shared by ``kiln.LLM.chat`` and the server).
+
+    ``template_kwargs`` are the template's own variables (vLLM's chat_template_kwargs, such as
+    Qwen3's enable_thinking); they cannot override how the template is applied.
+    """
+    if not conversation:
+        raise ValueError("messages is empty; give at least one message")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, **{**(template_kwargs or {}), "chat_template": template,
+                             "tokenize": False, "add_generation_prompt": add_generation_prompt})
+        # The template writes any BOS itself; encoding must not add a second one. (verbose=False:
+        # the length is checked against max_model_len with a clear error, not transformers'
+        # warning.)
+        ids = list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+    except Exception as exc:  # noqa: BLE001 - templates are model code that may raise anything
+        raise ValueError(f"the chat template rejected these messages: {exc}") from None
+    if not ids:
+        raise ValueError("the messages render to an empty prompt")
+    return ids

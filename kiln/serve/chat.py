@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from kiln.engine.inputs import render_chat
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.serve.errors import APIError, bad_request
 from kiln.serve.generation import (
@@ -74,18 +75,10 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage],
     conversation = [{"role": check_text(m.role, f"messages.{i}.role"),
                      "content": _content_text(m, i)} for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, **{**(template_kwargs or {}), "chat_template": template,
-                             "tokenize": False, "add_generation_prompt": add_generation_prompt})
-        # The template writes any BOS itself; encoding must not add a second one. (verbose=False:
-        # the length is checked against max_model_len with a 400, not transformers' warning.)
-        ids = list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
-    except Exception as exc:  # noqa: BLE001 - templates are model code that may raise anything
-        raise APIError(400, f"the chat template rejected these messages: {exc}",
-                       param="messages") from None
-    if not ids:
-        raise APIError(400, "the messages render to an empty prompt", param="messages")
-    return ids
+        return render_chat(tokenizer, conversation, template, add_generation_prompt,
+                           template_kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
 
 
 def _logprobs(state: ServerState, tokenizer: Any, choice: CompletionOutput, start: int,

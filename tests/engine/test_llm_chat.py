@@ -1,0 +1,60 @@
+"""kiln.LLM.chat: conversations through the chat template, as vLLM's LLM.chat."""
+
+import pytest
+
+import kiln
+
+CONVERSATION = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a colour."}]
+GREEDY = kiln.SamplingParams(max_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return kiln.LLM(str(tiny_llama), device="cpu", dtype="float32", max_model_len=128,
+                    num_kv_blocks=64)
+
+
+def template_ids(llm, conversation, **kwargs):
+    text = llm.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=True, **kwargs)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_conversation_is_the_templated_prompt(llm):
+    [out] = llm.chat(CONVERSATION, GREEDY)
+    assert out.prompt_token_ids == template_ids(llm, CONVERSATION)
+    [ref] = llm.generate([template_ids(llm, CONVERSATION)], GREEDY)
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_a_list_of_conversations_gives_one_output_each(llm):
+    other = [{"role": "user", "content": "And a number?"}]
+    outs = llm.chat([CONVERSATION, other], GREEDY)
+    assert [o.prompt_token_ids for o in outs] == [template_ids(llm, CONVERSATION),
+                                                  template_ids(llm, other)]
+
+
+def test_template_and_its_variables_can_be_given(llm):
+    template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ suffix }}"
+    [out] = llm.chat(CONVERSATION, GREEDY, chat_template=template,
+                     chat_template_kwargs={"suffix": "go:"})
+    expected = llm.tokenizer.encode("Be brief.|Name a colour.|go:", add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+
+
+@pytest.mark.parametrize("messages", [[], [[]], [CONVERSATION, []]])
+def test_empty_conversations_are_clear_errors(llm, messages):
+    with pytest.raises(ValueError, match="messages is empty"):
+        llm.chat(messages, GREEDY)
+
+
+def test_a_template_that_refuses_the_messages_is_a_clear_error(llm):
+    with pytest.raises(ValueError, match="chat template rejected these messages: no tools"):
+        llm.chat(CONVERSATION, GREEDY, chat_template="{{ raise_exception('no tools') }}")
+
+
+def test_a_model_without_a_template_says_how_to_give_one(llm, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="chat_template="):
+        llm.chat(CONVERSATION, GREEDY)
