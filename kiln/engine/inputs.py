@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PromptLike = str | list[int]
+# a dict is vLLM's TextPrompt {"prompt": str} or TokensPrompt {"prompt_token_ids": [int]}
+PromptLike = str | list[int] | dict[str, Any]
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 
 @dataclass
@@ -15,8 +17,9 @@ class Prompt:
 
 
 def normalize_prompts(prompts: PromptLike | list[PromptLike]) -> list[PromptLike]:
-    """Accept one prompt or a list: a string, a token-id list, or a list of either."""
-    if isinstance(prompts, str):
+    """Accept one prompt or a list: a string, a token-id list, a prompt dict, or a list of
+    those."""
+    if isinstance(prompts, str | dict):
         return [prompts]
     if isinstance(prompts, list | tuple) and prompts and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompts):
@@ -25,12 +28,25 @@ def normalize_prompts(prompts: PromptLike | list[PromptLike]) -> list[PromptLike
         if not prompts:
             raise ValueError("prompts is empty; pass at least one prompt")
         return list(prompts)
-    raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; "
-                    f"got {type(prompts).__name__}")
+    raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict, or a list "
+                    f"of those; got {type(prompts).__name__}")
+
+
+def _unwrap(prompt: PromptLike) -> str | list[int]:
+    """A prompt dict's text or token ids; other keys of vLLM's prompt dicts (multi-modal data,
+    cache salt ...) are refused by name rather than ignored."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = sorted(prompt)
+    if len(keys) != 1 or keys[0] not in PROMPT_DICT_KEYS:
+        raise ValueError(f"a prompt dict holds one of {list(PROMPT_DICT_KEYS)} (vLLM's "
+                         f"TextPrompt / TokensPrompt), got keys {keys}")
+    return prompt[keys[0]]
 
 
 def tokenize_prompt(prompt: PromptLike, tokenizer: Any, vocab_size: int) -> Prompt:
     """Turn one prompt into validated token ids (strings need the model's tokenizer)."""
+    prompt = _unwrap(prompt)
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty; give at least one character or token id")

@@ -1,4 +1,4 @@
-"""kiln.LLM.chat: conversations through the chat template, as vLLM's LLM.chat."""
+"""kiln.LLM's vLLM-shaped API: prompt dicts in generate, conversations in chat."""
 
 import pytest
 
@@ -58,3 +58,21 @@ def test_a_model_without_a_template_says_how_to_give_one(llm, monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="chat_template="):
         llm.chat(CONVERSATION, GREEDY)
+
+
+def test_vllm_prompt_dicts_are_prompts(llm):
+    ids = llm.tokenizer.encode("Name a colour.")
+    outs = llm.generate([{"prompt": "Name a colour."}, {"prompt_token_ids": ids}], GREEDY)
+    [ref] = llm.generate(["Name a colour."], GREEDY)
+    assert [o.prompt_token_ids for o in outs] == [ids, ids]
+    assert outs[0].prompt == "Name a colour." and outs[1].prompt is None
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids \
+        == ref.outputs[0].token_ids
+    [one] = llm.generate({"prompt_token_ids": ids}, GREEDY)  # a single dict is one prompt
+    assert one.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("prompt", [{"prompt": "x", "multi_modal_data": {}}, {}, {"text": "x"}])
+def test_prompt_dicts_with_other_keys_are_refused_by_name(llm, prompt):
+    with pytest.raises(ValueError, match="prompt dict holds one of"):
+        llm.generate([prompt], GREEDY)
