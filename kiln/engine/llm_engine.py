@@ -113,10 +113,12 @@ class LLMEngine:
         max_num_seqs = self.config.scheduler.max_num_seqs
         if params.n > max_num_seqs:
             raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs={max_num_seqs}")
-        bad = [t for t in params.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids {bad} are outside the vocabulary "
-                             f"[0, {vocab_size})")
+        for field, ids in (("stop_token_ids", params.stop_token_ids),
+                           ("logit_bias", list(params.logit_bias))):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{field} {bad} are outside the vocabulary "
+                                 f"[0, {vocab_size})")
         # the n samples are scheduled together: if they can never hold their blocks at once the
         # request would be preempted and requeued forever, stalling everything behind it
         longest = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))

@@ -35,6 +35,10 @@ def _check_float(field: str, value: object, valid: str, ok) -> None:
         _fail(field, value, valid)
 
 
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request, and when to stop.
@@ -62,6 +66,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's: added to the raw logits of these token ids before penalties and sampling
+    # (vLLM's order); normalized to a dict, {} when none
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, "an integer >= 1", lambda v: v >= 1)
@@ -112,8 +119,15 @@ class SamplingParams:
 
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            if not _is_token_id(t):
                 _fail("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        bias = {} if self.logit_bias is None else self.logit_bias
+        if not isinstance(bias, dict) or not all(
+                _is_token_id(t) and isinstance(b, int | float) and not isinstance(b, bool)
+                and -100 <= b <= 100 for t, b in bias.items()):
+            _fail("logit_bias", self.logit_bias,
+                  "a dict of token id >= 0 -> bias in [-100, 100] (OpenAI's range)")
+        self.logit_bias = {t: float(b) for t, b in bias.items()}
 
     @property
     def greedy(self) -> bool:

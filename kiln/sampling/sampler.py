@@ -1,8 +1,9 @@
 """Batched token sampling: one call per engine step, no host synchronization inside.
 
-Pipeline per step (all rows at once): repetition/frequency/presence penalties -> min_tokens
-mask -> greedy argmax -> temperature -> min-p -> top-k -> top-p -> exponential race (vLLM v1's
-order; transformers applies min-p last, which differs when min-p and top-p are combined). Branches
+Pipeline per step (all rows at once): logit_bias -> repetition/frequency/presence penalties ->
+min_tokens mask -> greedy argmax -> temperature -> min-p -> top-k -> top-p -> exponential race
+(vLLM v1's order; transformers applies min-p last, which differs when min-p and top-p are
+combined). Branches
 depend only on host metadata (e.g. "some row uses top-k"), never on tensor values, so the
 caller decides when to wait for the GPU (by reading `SamplerOutput.token_ids`).
 """
@@ -120,6 +121,9 @@ class SamplingMetadata:
     prompt_token_ids: Tensor | None  # [num_seqs, max_prompt_len] int64, -1 pads
     min_tokens_rows: Tensor | None  # [num_masked] int64, with min_tokens_ids: (row, token)
     min_tokens_ids: Tensor | None  # [num_masked] int64, pairs set to -inf
+    logit_bias_rows: Tensor | None  # [num_biased] int64, with logit_bias_ids: (row, token)
+    logit_bias_ids: Tensor | None  # [num_biased] int64
+    logit_bias_values: Tensor | None  # [num_biased] float32, added to those logits
     max_num_logprobs: int | None
 
     @classmethod
@@ -184,6 +188,13 @@ class SamplingMetadata:
                 ids += sorted(banned)
         min_rows = _to_device(rows, torch.int64, device) if rows else None
         min_ids = _to_device(ids, torch.int64, device) if rows else None
+        biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        bias_rows = bias_ids = bias_values = None
+        if biased:
+            rows_of, ids_of, values_of = (list(col) for col in zip(*biased, strict=True))
+            bias_rows = _to_device(rows_of, torch.int64, device)
+            bias_ids = _to_device(ids_of, torch.int64, device)
+            bias_values = _to_device(values_of, torch.float32, device)
 
         all_greedy, all_random = all(greedy), not any(greedy)
         greedy_mask = None
@@ -209,6 +220,9 @@ class SamplingMetadata:
             prompt_token_ids=prompt_ids,
             min_tokens_rows=min_rows,
             min_tokens_ids=min_ids,
+            logit_bias_rows=bias_rows,
+            logit_bias_ids=bias_ids,
+            logit_bias_values=bias_values,
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
         )
 
@@ -295,11 +309,15 @@ class Sampler:
             raw_logprobs = logits.float().log_softmax(dim=-1)
 
         logits = logits.to(torch.float32, copy=True)  # the one copy; in place from here on
+        # (row, token) pairs through the flat view: `logits[rows, ids] = -inf` copies the scalar
+        # from the host and synchronizes on CUDA
+        vocab_size = logits.shape[1]
+        if meta.logit_bias_rows is not None:  # before the penalties, as vLLM v1
+            flat = meta.logit_bias_rows * vocab_size + meta.logit_bias_ids
+            logits.view(-1).index_add_(0, flat, meta.logit_bias_values)
         apply_penalties(logits, meta)
         if meta.min_tokens_rows is not None:
-            # index_fill_ on the flat view: `logits[rows, ids] = -inf` copies the scalar from
-            # the host and synchronizes on CUDA.
-            flat = meta.min_tokens_rows * logits.shape[1] + meta.min_tokens_ids
+            flat = meta.min_tokens_rows * vocab_size + meta.min_tokens_ids
             logits.view(-1).index_fill_(0, flat, float("-inf"))
 
         greedy_ids = None if meta.all_random else argmax_rows(logits)
@@ -320,7 +338,7 @@ class Sampler:
     def warm_up(self, vocab_size: int, device: torch.device) -> None:
         """Run every sampling path once on random logits: greedy and random rows together and
         random rows alone; temperature, top-k, top-p, min-p; a seeded and a shared draw;
-        penalties, min_tokens and logprobs; prompt logprobs.
+        logit_bias, penalties, min_tokens and logprobs; prompt logprobs.
 
         On CUDA the first launch of a kernel loads it (lazy module loading) and waits for the
         device, and a Triton kernel compiles on its first call with new constants: at start-up
@@ -331,7 +349,7 @@ class Sampler:
             SamplingParams(temperature=0.0, logprobs=2),
             SamplingParams(temperature=0.8, top_k=4, top_p=0.9, min_p=0.01, seed=0,
                            presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                           min_tokens=2),
+                           min_tokens=2, logit_bias={1: 2.0}),
             SamplingParams(temperature=1.0),
         ]
         device = torch.device(device)

@@ -38,7 +38,7 @@ def check_text(value: str, param: str) -> str:
 # Options that would change what is generated and that Kiln does not implement (OpenAI's, then
 # vLLM's extensions). Unknown fields are otherwise ignored, so a request setting one of these
 # would get an answer as if it had not: it is refused instead, naming the field.
-UNSUPPORTED = ("logit_bias", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+UNSUPPORTED = ("prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words",
                "logits_processors")
 
@@ -85,6 +85,16 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model
     return max_tokens
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as strings (JSON keys are strings)."""
+    if not bias:
+        return None
+    for key in bias:
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+    return {int(k): v for k, v in bias.items()}
+
+
 def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
                     request_fields: Mapping[str, str] | None = None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
@@ -112,7 +122,8 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
             repetition_penalty=given(body.repetition_penalty, 1.0), logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            logit_bias=_logit_bias(body.logit_bias))
     except (ValueError, TypeError) as exc:
         raise bad_request(exc, request_fields) from None
 

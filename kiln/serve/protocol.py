@@ -69,6 +69,7 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
     # OpenAI's in chat, vLLM's in completions too; only "text" is supported
     response_format: dict[str, Any] | None = None
     # extensions sent by vLLM's benchmark and other clients

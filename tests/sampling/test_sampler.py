@@ -204,6 +204,29 @@ def test_min_tokens_masks_eos_even_with_ignore_eos():
     assert sample([3, 3]) == 0  # past min_tokens EOS is an ordinary token
 
 
+def test_logit_bias_adds_to_the_logits_of_its_row_only():
+    logits = distinct_logits(3, VOCAB, seed=4)
+    first, second = logits[0].topk(2).indices.tolist()
+    gap = float(logits[0, first] - logits[0, second])
+    params = [SamplingParams(temperature=0.0, logit_bias={second: gap + 0.05}),
+              SamplingParams(temperature=0.0, logit_bias={second: gap - 0.05}),
+              SamplingParams(temperature=0.0)]
+    tokens = Sampler().sample(logits, build(params)).token_ids.tolist()
+    assert tokens == [second, first, first]
+    banned = SamplingParams(temperature=0.0, logit_bias={first: -100})
+    assert Sampler().sample(logits[:1], build([banned])).token_ids.tolist() == [second]
+
+
+def test_logit_bias_comes_before_the_repetition_penalty_as_in_vllm():
+    # token 0 (seen in the prompt) at 2.0 +2 bias, then / 2: 2.0, under token 1's 2.5; the
+    # other order (2.0 / 2 + 2 = 3.0) would pick token 0
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, 0], logits[0, 1] = 2.0, 2.5
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={0: 2.0})
+    meta = build([params], prompts=[[0]])
+    assert Sampler().sample(logits, meta).token_ids.tolist() == [1]
+
+
 def test_build_rejects_mismatched_rows():
     with pytest.raises(ValueError, match="one row per sequence"):
         SamplingMetadata.build([SamplingParams()], [None, None], [[]], [[1]], "cpu")

@@ -5,6 +5,11 @@ import pytest
 from kiln.sampling import MAX_LOGPROBS, SamplingParams
 
 
+def test_logit_bias_normalized_to_a_dict_of_floats():
+    assert SamplingParams().logit_bias == {}
+    assert SamplingParams(logit_bias={3: 1}).logit_bias == {3: 1.0}
+
+
 def test_defaults_are_valid_and_normalized():
     p = SamplingParams()
     assert (p.n, p.max_tokens, p.temperature, p.top_k) == (1, 16, 1.0, 0)
@@ -42,6 +47,7 @@ def test_greedy_threshold(temperature, greedy):
         {"logprobs": 0, "prompt_logprobs": MAX_LOGPROBS},
         {"seed": -5},
         {"seed": 2**70},
+        {"logit_bias": {0: -100, 5: 100.0}},
     ],
 )
 def test_boundary_values_accepted(kwargs):
@@ -77,6 +83,12 @@ def test_boundary_values_accepted(kwargs):
         ("stop", "", {}),
         ("stop", ["ok", ""], {}),
         ("stop_token_ids", [3, -1], {}),
+        ("logit_bias", {3: 100.5}, {}),
+        ("logit_bias", {-1: 1.0}, {}),
+        ("logit_bias", {"3": 1.0}, {}),
+        ("logit_bias", {3: math.nan}, {}),
+        ("logit_bias", {True: 1.0}, {}),
+        ("logit_bias", [3], {}),
     ],
 )
 def test_bad_field_raises_naming_field_and_value(field, value, extra):

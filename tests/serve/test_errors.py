@@ -68,7 +68,8 @@ def test_prompt_over_context_length_says_both_numbers(http, engine):
 
 @pytest.mark.parametrize("body", [
     {"model": MODEL}, {"prompt": []}, {"prompt": [[]]}, {"prompt": [10**6]}, {"prompt": ""},
-    {"prompt": 5}, {"suffix": "!"}, {"logit_bias": {"5": 1.0}}, {"prompt": "a\ud800"}])
+    {"prompt": 5}, {"suffix": "!"}, {"logit_bias": {"x": 1.0}},
+    {"logit_bias": {"5": 101}}, {"logit_bias": {str(10**6): 1.0}}, {"prompt": "a\ud800"}])
 def test_bad_prompts_and_unsupported_options_are_400(http, body):
     request = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **body}
     if "prompt" not in body:

@@ -409,3 +409,21 @@ def test_stream_options_without_stream_is_a_400_naming_it(client, engine, chat):
     error = caught.value.body
     assert error["param"] == "stream_options" and "stream_options" in error["message"], error
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_logit_bias_reaches_the_sampler(client, reference_llm, endpoint):
+    """OpenAI's logit_bias (token id strings -> bias): the answer equals kiln.LLM's with the
+    same bias; +100 on one token makes every greedy token that one."""
+    bias = {"7": 100, "11": -100}
+    if endpoint == "completions":
+        got = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=4,
+                                        temperature=0.0, logit_bias=bias)
+        (want,) = expected(reference_llm, "The quick brown fox", max_tokens=4, temperature=0.0,
+                           logit_bias={7: 100, 11: -100})
+        assert got.choices[0].text == want.outputs[0].text
+    else:
+        got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                             temperature=0.0, logit_bias=bias, logprobs=True)
+        assert {t.token for t in got.choices[0].logprobs.content} == {
+            reference_llm.tokenizer.convert_ids_to_tokens(7)}
