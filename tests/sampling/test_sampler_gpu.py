@@ -17,7 +17,7 @@ def mixed_batch(device):
         SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=5),
         SamplingParams(seed=7, temperature=0.8, top_k=20, top_p=0.9),
         SamplingParams(min_p=0.05, presence_penalty=0.5, frequency_penalty=0.2, min_tokens=3),
-        SamplingParams(temperature=1.3, top_k=5, logprobs=2),
+        SamplingParams(temperature=1.3, top_k=5, logprobs=2, logit_bias={3: 2.0, 4: -100}),
     ]
     gens = [None, generator_for(7, 0, device), None, None]
     outputs = [[1, 2, 3], [4], [5, 5], []]
