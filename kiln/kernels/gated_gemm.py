@@ -27,7 +27,7 @@ from kiln.kernels._triton import TensorDescriptor, num_sms, tl, triton, use_trit
 from kiln.kernels.activation import silu_and_mul_ref, silu_mul
 
 # rows from which the gated GEMM replaces cuBLAS + silu_and_mul: it wins from 1000 rows up
-# (1.13x at 1000-1024, 1.03-1.07x at 2048-16384; 0.99x at 3000) and loses at 512 (0.96x)
+# (1.13x at 1000-1024, 1.04-1.07x at 2048-16384; 0.99x at 3000) and loses at 512 (0.96x)
 GATED_GEMM_MIN_M = 1024
 
 
@@ -41,7 +41,7 @@ class GatedTiles(NamedTuple):
 
 
 # the H100 sweep's best (gated_gemm.txt): two 128 x 128 accumulators are a 128 x 256 tile; 4
-# stages or 256-row tiles run out of shared memory or lose, 64-deep K steps beat 32 and 128
+# stages and 256-row tiles lose, 32-deep K steps lose and 128-deep ones do not fit in shared memory
 H100_TILES = GatedTiles(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8,
                         num_stages=3)
 
