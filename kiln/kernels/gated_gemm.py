@@ -90,11 +90,13 @@ def gated_gemm_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if not use_triton(x, weight) or bias is not None:
         return False
     k = weight.shape[-1]
-    return (torch.cuda.get_device_capability(x.device) == (9, 0)
+    # the row count first: it turns every decode batch away before the other checks
+    return (x.numel() >= GATED_GEMM_MIN_M * k
             and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dim() == 2 and weight.stride() == (k, 1) and k % 8 == 0
             and weight.shape[0] % 16 == 0 and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and weight.data_ptr() % 16 == 0 and x.numel() >= GATED_GEMM_MIN_M * k)
+            and weight.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
 
 
 def gated_gemm_triton(x: torch.Tensor, w: torch.Tensor,
