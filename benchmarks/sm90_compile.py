@@ -75,7 +75,8 @@ def gated_gemm_variant(a: argparse.Namespace) -> tuple:
     sig = {"x_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>",
            "w_desc": f"tensordesc<bf16[{t.block_n},{t.block_k}]>",
            "y_desc": f"tensordesc<bf16[{t.block_m},{t.block_n}]>"}
-    consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m)
+    consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                  NUM_PROGRAMS=132)
     return gated_gemm._gated_gemm_kernel, sig, consts
 
 

@@ -61,15 +61,12 @@ def _tile_coords(tile, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])  # the step's rows: no new variant per step shape
 def _gated_gemm_kernel(x_desc, w_desc, y_desc, M, INTER, K,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr):
+                       GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     num_tiles_m = tl.cdiv(M, BLOCK_M)
     num_tiles_n = tl.cdiv(INTER, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
     dt = y_desc.dtype
-    # the grid's size is read, not passed as a constexpr: on a small model it follows the tile
-    # count and so M, and every row count would compile a new variant
-    for tile in tl.range(tl.program_id(0), num_tiles_m * num_tiles_n, tl.num_programs(0),
-                         flatten=False):
+    for tile in tl.range(tl.program_id(0), num_tiles_m * num_tiles_n, NUM_PROGRAMS, flatten=False):
         tile_m, tile_n = _tile_coords(tile, num_tiles_m, num_tiles_n, GROUP_M)
         row = tile_m * BLOCK_M
         col = tile_n * BLOCK_N
@@ -112,14 +109,16 @@ def gated_gemm_triton(x: torch.Tensor, w: torch.Tensor,
     y = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    num_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(inter, tiles.block_n)
-    programs = min(num_sms(x.device), num_tiles)
+    # one program an SM whatever the tile count, those without a tile exiting at once: a grid
+    # sized by the tiles would follow M on a small model, and NUM_PROGRAMS (a constexpr, so the
+    # persistent loop's stride is known to the compiler) would compile a variant per row count
+    programs = num_sms(x.device)
     _gated_gemm_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [tiles.block_m, tiles.block_k]),
         TensorDescriptor.from_tensor(w, [tiles.block_n, tiles.block_k]),
         TensorDescriptor.from_tensor(y, [tiles.block_m, tiles.block_n]),
         m, inter, k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m, num_warps=tiles.num_warps,
+        GROUP_M=tiles.group_m, NUM_PROGRAMS=programs, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return y
 
