@@ -113,12 +113,16 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    # kv heads fastest in the grid: the programs of one sequence run side by side and read the
+    # adjacent 256-byte head slices of each cache row together (1% faster at 512 x 640 keys,
+    # benchmarks/results/h100/decode_grid_order.txt).
+    #
     # Before the wait: what the engine wrote before the step (the sequence's lengths and block
     # table) and the K/V of every position but the newest, which the kernel just before (the
     # cache write) stores. The first tile's loads then overlap that kernel instead of following
     # it; at batch 1 a partition is often that one tile.
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     q_row = tl.load(cu_seqlens_q_ptr + seq)
     has_query = tl.load(cu_seqlens_q_ptr + seq + 1) != q_row  # else no query this step
@@ -255,13 +259,14 @@ def paged_attention_decode_triton(
     num_splits = max(1, min(num_splits, triton.cdiv(max_seqlen_k, min_partition_len)))
     group = num_heads // num_kv_heads
     launch_pdl = pdl(q.device)
+    assert num_seqs < 65536, f"{num_seqs} sequences: the grid's second axis holds at most 65535"
     if num_splits > 1:
         shape = (q.shape[0], num_heads, num_splits)
         part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused: DIRECT stores straight into out
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
