@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kiln.cli_options import HELP_OPTIONS, engine_options
 from kiln.zoo import DEFAULT_MODEL
+
+if TYPE_CHECKING:  # (imported where used, so that `kiln --help` starts fast)
+    from kiln.batch_io import PromptInput
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.outputs import RequestOutput
+    from kiln.sampling.params import SamplingParams
 
 
 def _load(name: str, module: str, attr: str) -> click.Command:
@@ -70,7 +79,11 @@ def main(log_level: str) -> None:
 @main.command()
 @click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help="checkpoint directory, Hugging Face hub id, or zoo name")
-@click.option("--prompt", required=True, help="text to continue")
+@click.option("--prompt", help="text to continue, streamed as it is generated (-: read stdin)")
+@click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+              help="prompts to run as one batch: one a line, or JSONL (-: read stdin)")
+@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True),
+              help="write one JSON line per prompt, in input order (-: stdout)")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
               help="0: greedy")
@@ -78,30 +91,112 @@ def main(log_level: str) -> None:
               type=click.FloatRange(min=0.0, max=1.0, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=-1),
               help="0 or -1: off")
+@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0))
+@click.option("--repetition-penalty", default=1.0, show_default=True,
+              type=click.FloatRange(min=0.0, min_open=True), help="1: off")
+@click.option("--presence-penalty", default=0.0, show_default=True,
+              type=click.FloatRange(-2.0, 2.0))
+@click.option("--frequency-penalty", default=0.0, show_default=True,
+              type=click.FloatRange(-2.0, 2.0))
+@click.option("--stop", multiple=True,
+              help="end the text where this string appears, leaving it out (repeatable)")
 @click.option("--chat", is_flag=True,
-              help="wrap the prompt in the model's chat template and print only the reply")
+              help="wrap each prompt in the model's chat template and show only the reply")
 @engine_options
-def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
-             top_k: int, chat: bool, engine_kwargs: dict[str, Any]) -> None:
-    """Generate a continuation of PROMPT and stream it to the terminal.
+def generate(model: str, prompt: str | None, prompts_file: str | None, output: str | None,
+             chat: bool, engine_kwargs: dict[str, Any], **sampling: Any) -> None:
+    """Continue --prompt, streaming it, or run --prompts-file as one batch.
 
-    --seed also seeds this request's sampling here, so a sampled run repeats.
+    A prompts file holds one prompt a line (blank lines skipped) or, when its first line starts
+    with "{", JSONL: each line {"prompt": TEXT} or a chat {"messages": [{"role": ...,
+    "content": ...}, ...]}, whose other keys (an id, a reference answer) are copied into its
+    result.
+
+    A batch goes into the engine at once (continuous batching). Its results print in input
+    order or, with --output, are one JSON line per prompt: the prompt's keys, text, token_ids,
+    finish_reason, stop_reason, num_prompt_tokens, and the seconds from the batch's start to
+    its first token and to its end. The file is replaced only once every result is in. Every
+    prompt is checked before any runs: if some cannot run (longer than the context, a chat the
+    template rejects), each is named and none runs.
+
+    --seed also seeds each request's sampling, so a sampled run repeats: prompt i (from 0) of a
+    batch with --seed + i, so that duplicate prompts draw different samples.
     """
+    from kiln.batch_io import PromptInput
     from kiln.engine.llm_engine import LLMEngine
+    from kiln.llm import offline_options
     from kiln.sampling.params import SamplingParams
 
+    if (prompt is None) == (prompts_file is None):
+        raise click.UsageError("give one of --prompt TEXT and --prompts-file PATH")
+    if _same_file(output, prompts_file):
+        raise click.BadParameter(f"{output} is also the --prompts-file: writing it would replace "
+                                 "the prompts; choose another --output", param_hint="--output")
+    if prompts_file is not None:
+        inputs = _read_prompts(prompts_file)
+    else:
+        inputs = [PromptInput("--prompt", {"prompt": _read_stdin() if prompt == "-" else prompt})]
+    stream = prompts_file is None and output is None
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=engine_kwargs.get("seed"))
-        engine = LLMEngine.from_kwargs(model, **engine_kwargs)
-        if chat:
-            prompt = engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-        engine.add_request("cli", prompt, params)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
+        params = SamplingParams(**sampling, seed=engine_kwargs.get("seed"))
+        if output not in (None, "-"):  # (now, not once the batch has run)
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
+        # a batch is an offline run: kiln.LLM's larger step on large GPUs
+        engine = LLMEngine.from_kwargs(
+            model, **(engine_kwargs if stream else offline_options(engine_kwargs)))
+        template = _chat_template(engine.tokenizer, chat or any(i.messages for i in inputs))
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
-    if not chat:  # (the templated prompt is markup: a chat shows the reply alone)
-        click.echo(prompt, nl=False)
+    if stream:
+        _stream(engine, inputs[0], params, chat, template)
+    else:
+        _run_batch(engine, inputs, params, chat, template, output)
+
+
+def _read_stdin() -> str:
+    text = sys.stdin.read()
+    if not text:
+        raise click.ClickException("stdin is empty: --prompt - reads the prompt from it")
+    return text
+
+
+def _same_file(output: str | None, prompts_file: str | None) -> bool:
+    if output in (None, "-") or prompts_file in (None, "-"):
+        return False
+    out = Path(output).resolve()  # (sub/.. is its parent even before mkdir makes sub)
+    return out == Path(prompts_file).resolve() or out.exists() and out.samefile(prompts_file)
+
+
+def _read_prompts(path: str) -> list[PromptInput]:
+    from kiln.batch_io import read_prompts
+
+    name = "<stdin>" if path == "-" else path
+    try:
+        # (utf-8-sig: the byte-order mark some editors write is not part of the first prompt)
+        with click.open_file(path, encoding="utf-8-sig") as f:
+            return read_prompts(f, name)
+    except UnicodeDecodeError as exc:
+        raise click.ClickException(f"{name} is not UTF-8 text ({exc})") from None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _chat_template(tokenizer: Any, needed: bool) -> str | None:
+    if not needed:
+        return None
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("this model has no chat template: give prompts as text, without --chat")
+    return template
+
+
+def _stream(engine: LLMEngine, item: PromptInput, params: SamplingParams, chat: bool,
+            template: str | None) -> None:
+    try:
+        engine.add_request("cli", item.engine_prompt(engine.tokenizer, chat, template), params)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(item.echo_text(chat), nl=False)
     printed = 0
     for out in engine.stream_outputs():
         done = out.outputs[0]
@@ -109,10 +204,75 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
         printed = len(done.text)
         sys.stdout.flush()
     click.echo()
-    if done.finish_reason == "length" and len(done.token_ids) < max_tokens:
+    if done.finish_reason == "length" and len(done.token_ids) < params.max_tokens:
         click.echo(f"(stopped at the model's context of {engine.max_model_len} tokens, "
-                   f"{len(done.token_ids)} of --max-tokens {max_tokens} generated)", err=True)
+                   f"{len(done.token_ids)} of --max-tokens {params.max_tokens} generated)",
+                   err=True)
 
+
+MAX_ERRORS_LISTED = 20  # of the prompts that cannot run: enough to show what is wrong
+
+
+def _run_batch(engine: LLMEngine, inputs: list[PromptInput], params: SamplingParams,
+               chat: bool, template: str | None, output: str | None) -> None:
+    from kiln.progress import make_progress
+
+    requests, errors = [], []
+    for index, item in enumerate(inputs):
+        own = params if params.seed is None else replace(params, seed=params.seed + index)
+        try:
+            requests.append(engine.make_request(
+                str(index), item.engine_prompt(engine.tokenizer, chat, template), own,
+                stream=False))
+        except ValueError as exc:
+            errors.append(f"{item.where}: {exc}")
+    if errors:
+        more = len(errors) - MAX_ERRORS_LISTED
+        listed = "\n".join(errors[:MAX_ERRORS_LISTED]) + (f"\n...and {more} more" if more > 0
+                                                          else "")
+        raise click.ClickException(f"{len(errors)} of {len(inputs)} prompts cannot run, so none "
+                                   f"ran:\n{listed}")
+    start = time.monotonic()
+    for request in requests:
+        engine.enqueue(request)
+    finished: dict[str, RequestOutput] = {}
+    with make_progress() as progress:
+        task = progress.add_task("generate", total=len(requests))
+        for out in engine.stream_outputs():
+            finished[out.request_id] = out
+            progress.advance(task)
+    results = [finished[str(i)] for i in range(len(inputs))]
+    _emit(inputs, results, chat, output, start)
+    cut = sum(o.outputs[0].finish_reason == "length"
+              and len(o.outputs[0].token_ids) < params.max_tokens for o in results)
+    if cut:
+        click.echo(f"({cut} of {len(results)} prompts stopped at the model's context of "
+                   f"{engine.max_model_len} tokens before --max-tokens {params.max_tokens})",
+                   err=True)
+
+
+def _emit(inputs: list[PromptInput], results: list[RequestOutput], chat: bool,
+          output: str | None, start: float) -> None:
+    """Print the results in input order, or write them as JSONL to --output (- : stdout)."""
+    from kiln.batch_io import result_line, to_jsonl, write_atomically
+
+    if output is None:
+        for index, (item, out) in enumerate(zip(inputs, results, strict=True)):
+            if index:
+                click.echo()
+            click.echo(f"==> {item.where} <==")
+            click.echo(item.echo_text(chat) + out.outputs[0].text)
+        return
+    text = to_jsonl([result_line(item, out, start)
+                     for item, out in zip(inputs, results, strict=True)])
+    if output == "-":
+        click.echo(text, nl=False)
+        return
+    try:
+        write_atomically(Path(output), text)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write --output {output}: {exc}") from None
+    click.echo(f"wrote {len(results)} results to {output}", err=True)
 
 if __name__ == "__main__":
     main()
