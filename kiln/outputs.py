@@ -43,4 +43,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # each prompt token's rank among the vocabulary (1 = most likely; None for the first),
+    # set with prompt_logprobs: a token outside their top-k has a rank they do not tell
+    prompt_logprob_ranks: list[int | None] | None = None
     metrics: RequestMetrics | None = None

@@ -106,6 +106,7 @@ class LLMEngine:
         """Tokenize and validate without touching the engine's state (safe from any thread)."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a kiln.SamplingParams")
+        params = params.with_bad_words_tokenized(self.tokenizer)
         vocab_size = self.loaded.arch.vocab_size
         parsed = tokenize_prompt(prompt, self.tokenizer, vocab_size)
         num_prompt = len(parsed.token_ids)
@@ -114,7 +115,10 @@ class LLMEngine:
         if params.n > max_num_seqs:
             raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs={max_num_seqs}")
         for field, ids in (("stop_token_ids", params.stop_token_ids),
-                           ("logit_bias", list(params.logit_bias))):
+                           ("logit_bias", list(params.logit_bias)),
+                           ("allowed_token_ids", params.allowed_token_ids or []),
+                           ("bad_words_token_ids",
+                            [t for word in params.bad_words_token_ids for t in word])):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"SamplingParams.{field} {bad} are outside the vocabulary "
@@ -218,6 +222,7 @@ class LLMEngine:
             ids = item.request.prompt_token_ids[first:first + lps.token_logprobs.shape[0] + 1]
             item.request.prompt_logprobs += prompt_logprobs_to_dicts(
                 lps, ids, item.request.params.prompt_logprobs)[1:]
+            item.request.prompt_logprob_ranks += lps.token_ranks.tolist()
         apply_sampler_output(result.seqs, result.token_ids, result.logprobs)
         self.stats.generation_tokens += len(result.seqs)
         now = time.monotonic() if now is None else now

@@ -271,4 +271,5 @@ class ModelRunner:
 def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits first: the token is a plain argmax."""
     return (params.greedy and params.logprobs is None and not params.has_penalties
-            and params.min_tokens == 0)
+            and params.min_tokens == 0 and not params.logit_bias
+            and params.allowed_token_ids is None and not params.bad_words_token_ids)

@@ -22,6 +22,7 @@ def reference_generate(loaded: LoadedModel, prompts: list[list[int]],
                        params: list[SamplingParams], max_model_len: int,
                        attention_backend: str = "torch") -> list[RequestOutput]:
     model, device = loaded.model, loaded.device
+    params = [p.with_bad_words_tokenized(loaded.tokenizer) for p in params]  # as the engine
     seqs: list[Sequence] = []
     owners: list[int] = []  # request index of each sequence
     for r, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -68,8 +69,9 @@ def reference_generate(loaded: LoadedModel, prompts: list[list[int]],
     return _collect(prompts, owners, seqs, prompt_lps, loaded)
 
 
-def _prompt_logprobs(model, hidden, meta, seqs, owners, rows) -> dict[int, list]:
-    result: dict[int, list] = {}
+def _prompt_logprobs(model, hidden, meta, seqs, owners, rows) -> dict[int, tuple[list, list]]:
+    """Request index -> (its prompt logprobs, its prompt tokens' ranks)."""
+    result: dict[int, tuple[list, list]] = {}
     cu = meta.cu_seqlens_q.tolist()
     for j, i in enumerate(rows):
         k = seqs[i].params.prompt_logprobs
@@ -77,7 +79,8 @@ def _prompt_logprobs(model, hidden, meta, seqs, owners, rows) -> dict[int, list]
             continue
         logits = model.compute_logits(hidden[cu[j]:cu[j + 1]])
         lps = compute_prompt_logprobs(logits, seqs[i].prompt_token_ids, k)
-        result[owners[i]] = prompt_logprobs_to_dicts(lps, seqs[i].prompt_token_ids, k)
+        result[owners[i]] = (prompt_logprobs_to_dicts(lps, seqs[i].prompt_token_ids, k),
+                             [None, *lps.token_ranks.tolist()])
     return result
 
 
@@ -85,8 +88,9 @@ def _collect(prompts, owners, seqs, prompt_lps, loaded) -> list[RequestOutput]:
     outputs = []
     for r, prompt in enumerate(prompts):
         mine = [s for s, o in zip(seqs, owners, strict=True) if o == r]
+        logprobs, ranks = prompt_lps.get(r, (None, None))
         outputs.append(RequestOutput(
             request_id=str(r), prompt=None, prompt_token_ids=list(prompt),
             outputs=[s.to_output() for s in mine], finished=True,
-            prompt_logprobs=prompt_lps.get(r)))
+            prompt_logprobs=logprobs, prompt_logprob_ranks=ranks))
     return outputs

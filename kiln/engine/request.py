@@ -47,6 +47,8 @@ class Request:
         self.forked = params.n == 1
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
+        self.prompt_logprob_ranks: list[int | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
 
     @property
     def arrival_time(self) -> float:
@@ -72,4 +74,5 @@ class Request:
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[s.to_output() for s in self.seqs], finished=self.finished,
-            prompt_logprobs=self.prompt_logprobs, metrics=self.metrics)
+            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprob_ranks=self.prompt_logprob_ranks, metrics=self.metrics)

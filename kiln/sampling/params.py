@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 # Below this temperature a request is greedy: dividing logits by ~0 would overflow, and the
 # distribution is a point mass on the argmax anyway (vLLM's sampler uses the same threshold).
@@ -39,6 +40,10 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _is_token_id_list(value: object) -> bool:
+    return isinstance(value, list | tuple) and len(value) > 0 and all(map(_is_token_id, value))
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request, and when to stop.
@@ -69,6 +74,14 @@ class SamplingParams:
     # OpenAI's: added to the raw logits of these token ids before penalties and sampling
     # (vLLM's order); normalized to a dict, {} when none
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (every other logit is -inf); None: any
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: a word's last token is banned wherever the output so far ends with the tokens
+    # before it (a one-token word: always); normalized to a list, [] when none
+    bad_words: list[str] | None = None
+    # the bad words as token ids: given directly, and the engine appends `bad_words` tokenized
+    # with the model's tokenizer (with_bad_words_tokenized)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, "an integer >= 1", lambda v: v >= 1)
@@ -128,6 +141,46 @@ class SamplingParams:
             _fail("logit_bias", self.logit_bias,
                   "a dict of token id >= 0 -> bias in [-100, 100] (OpenAI's range)")
         self.logit_bias = {t: float(b) for t, b in bias.items()}
+        if self.allowed_token_ids is not None:
+            if not _is_token_id_list(self.allowed_token_ids):
+                _fail("allowed_token_ids", self.allowed_token_ids,
+                      "None (any token) or a non-empty list of token ids >= 0")
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
+        words = [] if self.bad_words is None else self.bad_words
+        # (a bare string would otherwise ban each of its characters)
+        if not isinstance(words, list | tuple) or not all(
+                isinstance(w, str) and w.strip() for w in words):
+            _fail("bad_words", self.bad_words,
+                  "a list of words, each with a character other than whitespace")
+        self.bad_words = list(dict.fromkeys(words))  # duplicates dropped, as vLLM does
+        ids = [] if self.bad_words_token_ids is None else self.bad_words_token_ids
+        if not isinstance(ids, list | tuple) or not all(map(_is_token_id_list, ids)):
+            _fail("bad_words_token_ids", self.bad_words_token_ids,
+                  "a list of non-empty lists of token ids >= 0")
+        self.bad_words_token_ids = [list(word) for word in ids]
+
+    def with_bad_words_tokenized(self, tokenizer: Any) -> SamplingParams:
+        """A copy whose bad_words_token_ids also hold `bad_words` tokenized (self if it has
+        none), as vLLM's update_from_tokenizer does: each word with its leading whitespace
+        stripped, and once more after a space (a word inside the text is tokenized apart from
+        one that starts it), the latter only where it is as many tokens with another first
+        token. Once per request: the sampler matches token ids at every step."""
+        if not self.bad_words:
+            return self
+        if tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs the model's tokenizer and this "
+                             "model has none; give the words as bad_words_token_ids instead")
+        ids = list(self.bad_words_token_ids)
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"SamplingParams.bad_words entry {word!r} tokenizes to no "
+                                 f"tokens; drop it")
+            ids.append(plain)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                ids.append(spaced)
+        return replace(self, bad_words_token_ids=ids)
 
     @property
     def greedy(self) -> bool:

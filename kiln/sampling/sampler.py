@@ -1,11 +1,12 @@
 """Batched token sampling: one call per engine step, no host synchronization inside.
 
-Pipeline per step (all rows at once): logit_bias -> repetition/frequency/presence penalties ->
-min_tokens mask -> greedy argmax -> temperature -> min-p -> top-k -> top-p -> exponential race
-(vLLM v1's order; transformers applies min-p last, which differs when min-p and top-p are
-combined). Branches
-depend only on host metadata (e.g. "some row uses top-k"), never on tensor values, so the
-caller decides when to wait for the GPU (by reading `SamplerOutput.token_ids`).
+Pipeline per step (all rows at once): allowed_token_ids mask -> logit_bias ->
+repetition/frequency/presence penalties -> min_tokens and bad_words bans -> greedy argmax ->
+temperature -> min-p -> top-k -> top-p -> exponential race (vLLM v1's order, but for the bad
+words, which vLLM bans before the bias: -inf stays -inf through both, so the tokens are the
+same; transformers applies min-p last, which differs when min-p and top-p are combined).
+Branches depend only on host metadata (e.g. "some row uses top-k"), never on tensor values, so
+the caller decides when to wait for the GPU (by reading `SamplerOutput.token_ids`).
 """
 
 from __future__ import annotations
@@ -119,8 +120,12 @@ class SamplingMetadata:
     repetition_penalty: Tensor | None  # [num_seqs, 1] float32
     output_token_ids: Tensor | None  # [num_seqs, max_output_len] int64, -1 pads
     prompt_token_ids: Tensor | None  # [num_seqs, max_prompt_len] int64, -1 pads
-    min_tokens_rows: Tensor | None  # [num_masked] int64, with min_tokens_ids: (row, token)
-    min_tokens_ids: Tensor | None  # [num_masked] int64, pairs set to -inf
+    restricted_rows: Tensor | None  # [num_restricted] int64, rows with allowed_token_ids
+    allowed_rows: Tensor | None  # [num_allowed] int64, with allowed_ids: (row, token) kept
+    allowed_ids: Tensor | None  # [num_allowed] int64
+    # (row, token) pairs set to -inf: EOS and stop ids before min_tokens, bad words' last tokens
+    banned_rows: Tensor | None  # [num_banned] int64
+    banned_ids: Tensor | None  # [num_banned] int64
     logit_bias_rows: Tensor | None  # [num_biased] int64, with logit_bias_ids: (row, token)
     logit_bias_ids: Tensor | None  # [num_biased] int64
     logit_bias_values: Tensor | None  # [num_biased] float32, added to those logits
@@ -179,15 +184,29 @@ class SamplingMetadata:
         if presence is not None or repetition is not None:
             out_ids = _to_device(_pad(output_token_ids), torch.int64, device)
 
+        restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        restricted_rows = allowed_rows = allowed_ids = None
+        if restricted:
+            restricted_rows = _to_device(restricted, torch.int64, device)
+            allowed_rows = _to_device([i for i in restricted for _ in params[i].allowed_token_ids],
+                                      torch.int64, device)
+            allowed_ids = _to_device([t for i in restricted for t in params[i].allowed_token_ids],
+                                     torch.int64, device)
+
         rows: list[int] = []
         ids: list[int] = []
         for i, p in enumerate(params):
+            banned = None
             if len(output_token_ids[i]) < p.min_tokens:
                 banned = set(p.stop_token_ids) | set(eos_token_ids)
+            if p.bad_words_token_ids:  # on the host, as in vLLM: the outputs are here
+                words = bad_words_banned(p.bad_words_token_ids, output_token_ids[i])
+                banned = words if banned is None else banned | words
+            if banned:
                 rows += [i] * len(banned)
                 ids += sorted(banned)
-        min_rows = _to_device(rows, torch.int64, device) if rows else None
-        min_ids = _to_device(ids, torch.int64, device) if rows else None
+        banned_rows = _to_device(rows, torch.int64, device) if rows else None
+        banned_ids = _to_device(ids, torch.int64, device) if rows else None
         biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
         bias_rows = bias_ids = bias_values = None
         if biased:
@@ -218,13 +237,32 @@ class SamplingMetadata:
             repetition_penalty=repetition,
             output_token_ids=out_ids,
             prompt_token_ids=prompt_ids,
-            min_tokens_rows=min_rows,
-            min_tokens_ids=min_ids,
+            restricted_rows=restricted_rows,
+            allowed_rows=allowed_rows,
+            allowed_ids=allowed_ids,
+            banned_rows=banned_rows,
+            banned_ids=banned_ids,
             logit_bias_rows=bias_rows,
             logit_bias_ids=bias_ids,
             logit_bias_values=bias_values,
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
         )
+
+
+def bad_words_banned(bad_words_token_ids: Sequence[Sequence[int]],
+                     output_token_ids: Sequence[int]) -> set[int]:
+    """The token ids the bad words ban next (vLLM v1's rule): each word's last token, where
+    the output so far ends with the word's other tokens (a one-token word: always). Only the
+    output counts, not the prompt."""
+    banned: set[int] = set()
+    num_output = len(output_token_ids)
+    for word in bad_words_token_ids:
+        num_before = len(word) - 1
+        if num_before > num_output:
+            continue
+        if list(output_token_ids[num_output - num_before:]) == list(word[:num_before]):
+            banned.add(word[-1])
+    return banned
 
 
 def _token_counts(padded_ids: Tensor, vocab_size: int) -> Tensor:
@@ -312,12 +350,18 @@ class Sampler:
         # (row, token) pairs through the flat view: `logits[rows, ids] = -inf` copies the scalar
         # from the host and synchronizes on CUDA
         vocab_size = logits.shape[1]
+        if meta.restricted_rows is not None:  # first, as vLLM v1
+            # the allowed logits put aside, their rows set to -inf, the allowed put back
+            flat = meta.allowed_rows * vocab_size + meta.allowed_ids
+            kept = logits.view(-1).index_select(0, flat)
+            logits.index_fill_(0, meta.restricted_rows, float("-inf"))
+            logits.view(-1).index_copy_(0, flat, kept)
         if meta.logit_bias_rows is not None:  # before the penalties, as vLLM v1
             flat = meta.logit_bias_rows * vocab_size + meta.logit_bias_ids
             logits.view(-1).index_add_(0, flat, meta.logit_bias_values)
         apply_penalties(logits, meta)
-        if meta.min_tokens_rows is not None:
-            flat = meta.min_tokens_rows * vocab_size + meta.min_tokens_ids
+        if meta.banned_rows is not None:
+            flat = meta.banned_rows * vocab_size + meta.banned_ids
             logits.view(-1).index_fill_(0, flat, float("-inf"))
 
         greedy_ids = None if meta.all_random else argmax_rows(logits)
@@ -338,7 +382,8 @@ class Sampler:
     def warm_up(self, vocab_size: int, device: torch.device) -> None:
         """Run every sampling path once on random logits: greedy and random rows together and
         random rows alone; temperature, top-k, top-p, min-p; a seeded and a shared draw;
-        logit_bias, penalties, min_tokens and logprobs; prompt logprobs.
+        allowed_token_ids, logit_bias, penalties, min_tokens, bad words and logprobs; prompt
+        logprobs.
 
         On CUDA the first launch of a kernel loads it (lazy module loading) and waits for the
         device, and a Triton kernel compiles on its first call with new constants: at start-up
@@ -346,10 +391,10 @@ class Sampler:
         batch, in a chained step the GPU as well. The random streams (the sampler's own and
         torch's default generators) are left as they were."""
         params = [
-            SamplingParams(temperature=0.0, logprobs=2),
+            SamplingParams(temperature=0.0, logprobs=2, allowed_token_ids=[1, 2, 3]),
             SamplingParams(temperature=0.8, top_k=4, top_p=0.9, min_p=0.01, seed=0,
                            presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                           min_tokens=2, logit_bias={1: 2.0}),
+                           min_tokens=2, logit_bias={1: 2.0}, bad_words_token_ids=[[1, 2]]),
             SamplingParams(temperature=1.0),
         ]
         device = torch.device(device)

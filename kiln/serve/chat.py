@@ -18,6 +18,7 @@ from kiln.serve.generation import (
     check_text,
     collect_finals,
     merged_outputs,
+    prompt_logprobs_of,
     refuse_unsupported,
     resolve_max_tokens,
     sampling_params,
@@ -140,7 +141,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                               logprobs=logprobs_of(c, 0), finish_reason=c.finish_reason,
                               stop_reason=c.stop_reason) for c in finals[0].outputs]
         return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
-                                      choices=choices, usage=usage_of([prompt], finals))
+                                      choices=choices, usage=usage_of([prompt], finals),
+                                      prompt_logprobs=prompt_logprobs_of(state, tokenizer,
+                                                                         finals[0]))
 
     try:
         first = await unless_disconnected(request, outputs.__anext__())

@@ -19,6 +19,7 @@ from kiln.serve.generation import (
     check_text,
     collect_finals,
     merged_outputs,
+    prompt_logprobs_of,
     refuse_unsupported,
     resolve_max_tokens,
     sampling_params,
@@ -110,9 +111,11 @@ def news(choice: CompletionOutput, sent: tuple[int, int], echo: str | None,
 
 
 def completion_logprobs(state: ServerState, tokenizer: Any, token_ids: Sequence[int],
-                        entries: Sequence[TokenLogprobs | None],
-                        text_offset: int) -> CompletionLogprobs:
-    """OpenAI's legacy logprobs for these tokens, offsets counted from ``text_offset``.
+                        entries: Sequence[TokenLogprobs | None], text_offset: int,
+                        num_top: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs for these tokens, offsets counted from ``text_offset``: each
+    token's top ``num_top`` alternatives and itself (an echoed prompt's entries hold as many
+    as prompt_logprobs asked for, which may be more).
 
     A token without an entry (a prompt's first: nothing before it predicts it) gets null
     token_logprobs and top_logprobs, as OpenAI and vLLM send it.
@@ -123,10 +126,11 @@ def completion_logprobs(state: ServerState, tokenizer: Any, token_ids: Sequence[
         result.tokens.append(token)
         result.token_logprobs.append(
             None if entry is None else finite_logprob(entry.get(token_id, float("nan"))))
+        ranked = [] if entry is None else sorted(entry.items(), key=lambda kv: -kv[1])
         result.top_logprobs.append(
             None if entry is None else
             {state.token_text(tokenizer, t): finite_logprob(lp)
-             for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+             for i, (t, lp) in enumerate(ranked) if i < num_top or t == token_id})
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
@@ -159,7 +163,8 @@ async def create_completion(state: ServerState, body: CompletionRequest,
 
     def logprobs_of(token_ids: list[int], entries: list[TokenLogprobs | None],
                     text_offset: int) -> CompletionLogprobs | None:
-        return (completion_logprobs(state, tokenizer, token_ids, entries, text_offset)
+        return (completion_logprobs(state, tokenizer, token_ids, entries, text_offset,
+                                    body.logprobs)
                 if body.logprobs is not None else None)
 
     if not body.stream:
@@ -168,12 +173,16 @@ async def create_completion(state: ServerState, body: CompletionRequest,
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
         finals = {i: answer_of(output) for i, output in finals.items()}
+        # as vLLM, on each choice whenever the engine scored the prompt (echo with logprobs too)
+        prompt_logprobs = {i: prompt_logprobs_of(state, tokenizer, output)
+                           for i, output in finals.items()}
 
         def choice_of(index: int, c: CompletionOutput) -> CompletionChoice:
             text, token_ids, entries = news(c, (0, 0), echoes[index], finals[index])
             return CompletionChoice(index=index * n + c.index, text=text,
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                    logprobs=logprobs_of(token_ids, entries, 0))
+                                    logprobs=logprobs_of(token_ids, entries, 0),
+                                    prompt_logprobs=prompt_logprobs[index])
 
         choices = [choice_of(i, c) for i in sorted(finals) for c in finals[i].outputs]
         return CompletionResponse(id=request_id, created=created, model=state.model_name,

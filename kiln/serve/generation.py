@@ -20,7 +20,8 @@ from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.sampling.params import SamplingParams
 from kiln.serve.errors import APIError, bad_request
 from kiln.serve.metrics import ServerMetrics
-from kiln.serve.protocol import Usage
+from kiln.serve.protocol import Logprob, PromptLogprobs, Usage
+from kiln.serve.state import ServerState, finite_logprob
 
 T = TypeVar("T")
 
@@ -38,15 +39,14 @@ def check_text(value: str, param: str) -> str:
 # Options that would change what is generated and that Kiln does not implement (OpenAI's, then
 # vLLM's extensions). Unknown fields are otherwise ignored, so a request setting one of these
 # would get an answer as if it had not: it is refused instead, naming the field.
-UNSUPPORTED = ("prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words",
-               "logits_processors")
+UNSUPPORTED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "structured_outputs", "logits_processors")
 
 
 def refuse_unsupported(body: Any, names: Sequence[str] = ()) -> None:
     """400 for the first of ``UNSUPPORTED`` and ``names`` the request sets (null, [] and {}
-    set nothing), for a response_format other than plain text, or for stream_options set on
-    a request that does not stream."""
+    set nothing), for a response_format other than plain text, for stream_options set on
+    a request that does not stream, or for prompt_logprobs asked of one that does."""
     sent = body.model_extra or {}
     for name in (*UNSUPPORTED, *names):
         if sent.get(name) not in (None, [], {}):
@@ -60,6 +60,10 @@ def refuse_unsupported(body: Any, names: Sequence[str] = ()) -> None:
             and not body.stream:
         raise APIError(400, "stream_options can only be set when stream is true",
                        param="stream_options")
+    # As vLLM: a stream's chunks have no place for them (0 asks for none and passes)
+    if body.stream and body.prompt_logprobs:
+        raise APIError(400, "prompt_logprobs are not available when stream is true; ask for "
+                            "them without streaming", param="prompt_logprobs")
 
 
 def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -101,12 +105,15 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
     """SamplingParams from the fields both endpoints share; bad values -> 400 naming the field.
 
     ``request_fields`` maps SamplingParams fields to the request fields that gave them where
-    the names differ (chat's top_logprobs gives logprobs). ``prompt_logprobs`` is for
-    completions' echo, which returns the prompt's logprobs too.
+    the names differ (chat's top_logprobs gives logprobs). ``prompt_logprobs`` is what the
+    request's own prompt_logprobs defaults to (completions' echo returns the prompt's logprobs
+    too, as many alternatives as the completion's, unless prompt_logprobs says, as in vLLM).
     """
     stop = body.stop
     for s in [stop] if isinstance(stop, str) else stop or []:
         check_text(s, "stop")
+    for word in body.bad_words or []:
+        check_text(word, "bad_words")
 
     def given(value: Any, default: Any) -> Any:
         return default if value is None else value
@@ -120,12 +127,37 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
             presence_penalty=given(body.presence_penalty, 0.0),
             frequency_penalty=given(body.frequency_penalty, 0.0),
             repetition_penalty=given(body.repetition_penalty, 1.0), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=given(body.prompt_logprobs, prompt_logprobs),
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            logit_bias=_logit_bias(body.logit_bias))
+            logit_bias=_logit_bias(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc, request_fields) from None
+
+
+def prompt_logprobs_of(state: ServerState, tokenizer: Any,
+                       output: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs of an output that has them: per prompt token (the first has none:
+    null), the token first, then its top alternatives, each with its logprob, its rank (tied
+    logprobs share the best rank, as in the sampler's logprobs) and its text."""
+    if output.prompt_logprobs is None:
+        return None
+    result: PromptLogprobs = []
+    for token_id, entry, rank in zip(output.prompt_token_ids, output.prompt_logprobs,
+                                     output.prompt_logprob_ranks, strict=True):
+        if entry is None:
+            result.append(None)
+            continue
+        top = sorted(entry.items(), key=lambda kv: -kv[1])
+        ranks: dict[int, int] = {}
+        for i, (t, lp) in enumerate(top):  # 1 + the entries strictly above: as in the vocab
+            ranks[t] = ranks[top[i - 1][0]] if i and lp == top[i - 1][1] else i + 1
+        ranks[token_id] = rank  # the engine's: the prompt token may be outside the top-k
+        result.append({t: Logprob(logprob=finite_logprob(entry[t]), rank=ranks[t],
+                                  decoded_token=state.token_text(tokenizer, t))
+                       for t in [token_id, *(t for t, _ in top if t != token_id)]})
+    return result
 
 
 def usage_of(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:

@@ -81,6 +81,9 @@ class _SamplingFields(_Body):
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: Int | None = None  # the response's prompt_logprobs (not with stream)
 
 
 class CompletionRequest(_SamplingFields):
@@ -147,12 +150,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class Logprob(BaseModel):
+    """vLLM's Logprob, as an entry of its prompt_logprobs: rank 1 is the most likely token."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# per prompt token, token id -> Logprob for the token and its top alternatives; null first
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, on each choice of the prompt
 
 
 class CompletionResponse(BaseModel):
@@ -198,6 +214,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, on the response in chat
 
 
 class ModelCard(BaseModel):

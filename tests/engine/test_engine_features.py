@@ -212,9 +212,10 @@ def test_parallel_samples_swap_themselves_out_halfway_through_copy_on_write(tiny
 
 def test_sampling_runs_no_device_op_the_engine_did_not_run_at_start_up(tiny_llama, monkeypatch):
     """The first request that samples (temperature, top-k / top-p / min-p, a seed, penalties,
-    min_tokens, logit_bias, logprobs, prompt logprobs, n > 1) launches kernels no greedy request
-    does: on CUDA each loads on its first launch and waits for the device (and a Triton kernel
-    compiles on its first call), stalling that step, and with async scheduling the GPU.
+    min_tokens, logit_bias, allowed_token_ids, bad words, logprobs, prompt logprobs, n > 1)
+    launches kernels no greedy request does: on CUDA each loads on its first launch and waits
+    for the device (and a Triton kernel compiles on its first call), stalling that step, and
+    with async scheduling the GPU.
     Start-up runs every sampling path once, so none of it is new after; it leaves the caller's
     random stream where it was."""
     at_start_up = DeviceOps()
@@ -238,14 +239,16 @@ def test_sampling_runs_no_device_op_the_engine_did_not_run_at_start_up(tiny_llam
                 repetition_penalty=1.1, min_tokens=3),
               P(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True),
               P(max_tokens=5, n=2, temperature=0.9, ignore_eos=True),
-              P(max_tokens=5, temperature=0.0, logit_bias={7: 3.0, 11: -100}, ignore_eos=True)]
+              P(max_tokens=5, temperature=0.0, logit_bias={7: 3.0, 11: -100}, ignore_eos=True),
+              P(max_tokens=5, temperature=0.9, allowed_token_ids=[5, 19, 230], ignore_eos=True),
+              P(max_tokens=5, temperature=0.0, bad_words=["fox"], ignore_eos=True)]
     rng = random.Random(3)
     for i, p in enumerate(params):
         engine.add_request(str(i), [rng.randrange(3, 300) for _ in range(rng.randint(5, 60))], p)
     engine.run_to_completion()
     ran = {op for op, _ in sampling.ops}
     assert {"aten.exponential_.default", "aten.topk.default", "aten.index.Tensor",
-            "aten.index_add_.default"} <= ran, ran
+            "aten.index_add_.default", "aten.index_copy_.default"} <= ran, ran
     assert sampling.ops <= at_start_up.ops, sorted(sampling.ops - at_start_up.ops)
 
 

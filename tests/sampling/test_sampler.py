@@ -1,10 +1,11 @@
-"""Sampler pipeline on CPU: greedy, filters, temperature statistics, penalties, min_tokens."""
+"""Sampler pipeline on CPU: greedy, filters, temperature statistics, penalties, min_tokens,
+logit_bias, allowed_token_ids, bad words."""
 
 import pytest
 import torch
 
 from kiln.sampling import SAMPLING_EPS, Sampler, SamplingMetadata, SamplingParams
-from kiln.sampling.sampler import apply_penalties
+from kiln.sampling.sampler import apply_penalties, bad_words_banned
 
 VOCAB = 12
 
@@ -225,6 +226,72 @@ def test_logit_bias_comes_before_the_repetition_penalty_as_in_vllm():
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={0: 2.0})
     meta = build([params], prompts=[[0]])
     assert Sampler().sample(logits, meta).token_ids.tolist() == [1]
+
+
+def test_allowed_token_ids_nothing_outside_is_sampled_even_at_high_temperature():
+    num_draws, vocab, allowed = 2000, 50, [3, 17, 29, 41]
+    row = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5))
+    logits = row.expand(num_draws, vocab).contiguous()
+    # at temperature 5 the 50 tokens are near uniform: 1000 draws hit every allowed id
+    params = [SamplingParams(temperature=5.0, allowed_token_ids=allowed),
+              SamplingParams(temperature=5.0)] * (num_draws // 2)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    tokens = sampler.sample(logits, build(params)).token_ids
+    assert set(tokens[0::2].tolist()) == set(allowed)
+    assert not set(tokens[1::2].tolist()) <= set(allowed)  # the rows beside them: unmasked
+
+
+def test_allowed_token_ids_greedy_takes_the_best_allowed_and_a_bias_cannot_bring_back_others():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(6)).expand(4, VOCAB)
+    order = logits[0].argsort(descending=True).tolist()
+    allowed = order[3:6]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+              # masked first, as in vLLM: -inf + 100 is still -inf
+              SamplingParams(temperature=0.0, allowed_token_ids=allowed,
+                             logit_bias={order[0]: 100}),
+              SamplingParams(temperature=0.0, allowed_token_ids=allowed,
+                             logit_bias={order[5]: 100}),
+              SamplingParams(temperature=0.0)]
+    tokens = Sampler().sample(logits.contiguous(), build(params)).token_ids.tolist()
+    assert tokens == [order[3], order[3], order[5], order[0]]
+
+
+@pytest.mark.parametrize(("output", "banned"), [
+    ([], {5}), ([1], {5, 3}), ([2, 1], {5, 3}), ([1, 2], {5, 7}), ([1, 2, 6], {5})])
+def test_bad_words_ban_a_words_last_token_where_the_output_ends_with_the_rest(output, banned):
+    # vLLM v1's rule (vllm/v1/sample/ops/bad_words.py): a one-token word always
+    assert bad_words_banned([[5], [1, 3], [1, 2, 7]], output) == banned
+
+
+def test_bad_words_in_the_sampler_follow_the_output_not_the_prompt():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(7))
+    first, second, third = logits[0].topk(3).indices.tolist()
+    other = next(t for t in range(VOCAB) if t not in (first, second, third))
+
+    def greedy(params, output, prompt=(1,)):
+        meta = build([params], outputs=[output], prompts=[list(prompt)])
+        return Sampler().sample(logits, meta).token_ids.item()
+
+    word = SamplingParams(temperature=0.0, bad_words_token_ids=[[other, first]])
+    assert greedy(word, [second, other]) == second  # the word would end here: first banned
+    assert greedy(word, [other, second]) == first
+    assert greedy(word, [], prompt=[other]) == first  # as in vLLM: the prompt does not count
+    both = SamplingParams(temperature=0.0, bad_words_token_ids=[[first]], min_tokens=1,
+                          stop_token_ids=[second])
+    assert greedy(both, []) == third  # min_tokens' ban and the word's together
+    assert greedy(both, [third]) == second
+
+
+def test_a_bad_word_never_completes_even_at_high_temperature():
+    num_draws, vocab = 2000, 20
+    row = torch.randn(1, vocab, generator=torch.Generator().manual_seed(8))
+    params = SamplingParams(temperature=5.0, bad_words_token_ids=[[4, 9]])
+    outputs = [[1, 4], [4, 1]] * (num_draws // 2)  # the prefix at the end, then not
+    meta = build([params] * num_draws, outputs=outputs)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    tokens = sampler.sample(row.expand(num_draws, vocab).contiguous(), meta).token_ids
+    assert 9 not in tokens[0::2].tolist()
+    assert 9 in tokens[1::2].tolist()
 
 
 def test_build_rejects_mismatched_rows():

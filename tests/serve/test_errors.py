@@ -39,7 +39,9 @@ def completion(http, **body):
     ("logprobs", 21), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("min_p", 2.0),
     ("top_k", -2), ("min_tokens", 5), ("stop", [""]), ("stop_token_ids", [10**6]),
     ("max_tokens", "many"), ("n", 10**30), ("seed", 1.5), ("max_tokens", True),
-    ("n", False)])
+    ("n", False), ("allowed_token_ids", []), ("allowed_token_ids", [-1]),
+    ("allowed_token_ids", [5, 10**6]), ("bad_words", [""]), ("bad_words", [" "]),
+    ("bad_words", "fox"), ("prompt_logprobs", 21), ("prompt_logprobs", -1)])
 def test_invalid_parameter_is_400_naming_it(http, engine, field, value):
     error = assert_openai_error(completion(http, **{field: value}), 400)
     assert error["type"] == "invalid_request_error"

@@ -85,6 +85,8 @@ WILD = {
     "stop": any_text | st.lists(any_text, max_size=3), "logprobs": st.integers(-3, 30),
     "top_logprobs": st.integers(-3, 30), "logit_bias": st.dictionaries(any_text, st.floats()),
     "echo": st.booleans(), "best_of": st.integers(0, 4), "min_tokens": st.integers(-3, 99),
+    "allowed_token_ids": st.lists(st.integers(-5, 2 * VOCAB), max_size=3),
+    "bad_words": st.lists(any_text, max_size=3), "prompt_logprobs": st.integers(-3, 30),
     "tools": st.lists(st.fixed_dictionaries({"type": st.just("function")}), max_size=1),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
     "prompt": any_text | st.lists(st.integers(-5, 2 * VOCAB)) | st.lists(any_text),

@@ -202,9 +202,9 @@ FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties"
 @pytest.mark.parametrize("chat, options, param", [
     (False, {"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
     (False, {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
-    (False, {"extra_body": {"prompt_logprobs": 0}}, "prompt_logprobs"),
+    (False, {"extra_body": {"logits_processors": ["my.module:Processor"]}}, "logits_processors"),
     (True, {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
-    (True, {"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
+    (True, {"extra_body": {"structured_outputs": {"regex": "a+"}}}, "structured_outputs"),
     (True, {"tools": [{"type": "function", "function": FUNCTION}]}, "tools"),
     (True, {"functions": [FUNCTION]}, "functions"),
     (True, {"tool_choice": "required"}, "tool_choice"),
@@ -427,3 +427,121 @@ def test_logit_bias_reaches_the_sampler(client, reference_llm, endpoint):
                                              temperature=0.0, logit_bias=bias, logprobs=True)
         assert {t.token for t in got.choices[0].logprobs.content} == {
             reference_llm.tokenizer.convert_ids_to_tokens(7)}
+
+
+ALLOWED = [5, 19, 230, 267, 302]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_allowed_token_ids_reach_the_sampler(client, reference_llm, endpoint):
+    """vLLM's allowed_token_ids: the answer equals kiln.LLM's with the same set, and every
+    token is one of it."""
+    prompt = "The quick brown fox" if endpoint == "completions" else chat_prompt_ids(
+        reference_llm)
+    (want,) = expected(reference_llm, prompt, allowed_token_ids=ALLOWED)
+    assert set(want.outputs[0].token_ids) <= set(ALLOWED)
+    options = dict(model=MODEL, max_tokens=MAX_TOKENS, seed=SEED, temperature=TEMPERATURE,
+                   extra_body={"allowed_token_ids": ALLOWED})
+    if endpoint == "completions":
+        got = client.completions.create(prompt=prompt, **options).choices[0].text
+    else:
+        got = client.chat.completions.create(messages=MESSAGES, **options)
+        got = got.choices[0].message.content
+    assert got == want.outputs[0].text
+
+
+def a_word_of(llm, prompt) -> str:
+    """The text of a greedy answer's token after the first that the tokenizer writes alone."""
+    tok = llm.tokenizer
+    (free,) = expected(llm, prompt, temperature=0.0)
+    return next(w for t in free.outputs[0].token_ids[1:] if (w := tok.decode([t])).strip()
+                and tok.encode(w.lstrip(), add_special_tokens=False) == [t])
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bad_words_reach_the_sampler(client, reference_llm, endpoint):
+    """vLLM's bad_words, tokenized by the engine: the answer equals kiln.LLM's with the same
+    words, which is not the answer without them."""
+    prompt = "The quick brown fox" if endpoint == "completions" else chat_prompt_ids(
+        reference_llm)
+    words = [a_word_of(reference_llm, prompt)]
+    (free,) = expected(reference_llm, prompt, temperature=0.0)
+    (want,) = expected(reference_llm, prompt, temperature=0.0, bad_words=words)
+    assert want.outputs[0].text != free.outputs[0].text
+    options = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0,
+                   extra_body={"bad_words": words})
+    if endpoint == "completions":
+        got = client.completions.create(prompt=prompt, **options).choices[0].text
+    else:
+        got = client.chat.completions.create(messages=MESSAGES, **options)
+        got = got.choices[0].message.content
+    assert got == want.outputs[0].text
+
+
+def assert_prompt_logprobs(served, want, tokenizer, k: int) -> None:
+    """vLLM's shape: per prompt token null first, then token id (a JSON key) -> {logprob,
+    rank, decoded_token} for the token, first, and its top k alternatives."""
+    assert len(served) == len(want.prompt_token_ids) and served[0] is None
+    for token, entry, got, rank in zip(want.prompt_token_ids[1:], want.prompt_logprobs[1:],
+                                       served[1:], want.prompt_logprob_ranks[1:], strict=True):
+        assert list(got)[0] == str(token) and set(got) == {str(t) for t in entry}
+        assert got[str(token)]["rank"] == rank
+        for t, lp in entry.items():
+            assert got[str(t)]["logprob"] == pytest.approx(lp, abs=1e-5)
+            assert got[str(t)]["decoded_token"] == tokenizer.decode([t])
+        top = sorted(entry, key=entry.get, reverse=True)[:k]
+        assert sorted(got[str(t)]["rank"] for t in top) == list(range(1, k + 1))
+
+
+def test_prompt_logprobs_on_each_completion_choice(client, reference_llm):
+    prompts = ["The quick brown fox", "def fib"]
+    want = expected(reference_llm, prompts, temperature=0.0, prompt_logprobs=2)
+    result = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=2,
+                                       temperature=0.0, extra_body={"prompt_logprobs": 2})
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    for choice in result.choices:  # each choice of a prompt carries that prompt's
+        assert_prompt_logprobs(choice.model_extra["prompt_logprobs"], want[choice.index // 2],
+                               reference_llm.tokenizer, 2)
+    plain = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=2)
+    assert plain.choices[0].model_extra["prompt_logprobs"] is None
+
+
+def test_prompt_logprobs_on_the_chat_response(client, reference_llm):
+    (want,) = expected(reference_llm, chat_prompt_ids(reference_llm), temperature=0.0,
+                       prompt_logprobs=0)
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                            temperature=0.0, extra_body={"prompt_logprobs": 0})
+    assert_prompt_logprobs(result.model_extra["prompt_logprobs"], want,
+                           reference_llm.tokenizer, 0)
+    assert "prompt_logprobs" not in result.choices[0].model_extra
+
+
+def test_prompt_logprobs_set_the_count_of_an_echoed_prompts_alternatives(client, reference_llm):
+    # as vLLM: echo's prompt logprobs default to logprobs' count; prompt_logprobs overrides it
+    # in the engine, while the echoed logprobs still show logprobs' count
+    (want,) = expected(reference_llm, ECHO_PROMPT, temperature=0.0, logprobs=1,
+                       prompt_logprobs=3)
+    choice = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, echo=True, logprobs=1,
+                                       max_tokens=MAX_TOKENS, temperature=0.0,
+                                       extra_body={"prompt_logprobs": 3}).choices[0]
+    assert_echo_logprobs(choice.logprobs, choice.text, want, MAX_TOKENS)
+    assert_prompt_logprobs(choice.model_extra["prompt_logprobs"], want,
+                           reference_llm.tokenizer, 3)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prompt_logprobs_with_stream_is_a_400_unless_0(client, engine, chat):
+    # vLLM's: a stream's chunks have no place for them
+    def create(prompt_logprobs: int):
+        options = dict(model=MODEL, max_tokens=2, stream=True,
+                       extra_body={"prompt_logprobs": prompt_logprobs})
+        if chat:
+            return list(client.chat.completions.create(messages=MESSAGES, **options))
+        return list(client.completions.create(prompt="hi", **options))
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(1)
+    error = caught.value.body
+    assert error["param"] == "prompt_logprobs" and "stream" in error["message"], error
+    assert create(0)[-1].choices[0].finish_reason == "length"
+    assert_idle(engine)
