@@ -21,6 +21,7 @@ from kiln.serve.generation import (
     prompt_logprobs_of,
     refuse_unsupported,
     resolve_max_tokens,
+    running_usage,
     sampling_params,
     unless_disconnected,
     usage_of,
@@ -168,11 +169,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             logprobs = logprobs_of(c, num_tokens)
             yield chunk([{"index": c.index, "delta": delta,
                           "logprobs": logprobs.model_dump() if logprobs else None,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                        **running_usage(body, len(prompt), len(c.token_ids)))
 
     # OpenAI opens every choice with the role, before any content
     preamble = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}]) for i in range(params.n)]
+                        "logprobs": None, "finish_reason": None}],
+                      **running_usage(body, len(prompt), 0)) for i in range(params.n)]
 
     def final() -> Iterator[dict[str, Any]]:
         if body.stream_options and body.stream_options.include_usage:

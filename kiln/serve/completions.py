@@ -22,6 +22,7 @@ from kiln.serve.generation import (
     prompt_logprobs_of,
     refuse_unsupported,
     resolve_max_tokens,
+    running_usage,
     sampling_params,
     unless_disconnected,
     usage_of,
@@ -216,7 +217,8 @@ async def create_completion(state: ServerState, body: CompletionRequest,
                    "choices": [{"index": index * n + c.index, "text": text,
                                 "logprobs": logprobs.model_dump() if logprobs else None,
                                 "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason}]}
+                                "stop_reason": c.stop_reason}],
+                   **running_usage(body, len(prompt_ids[index]), len(c.token_ids))}
 
     def final() -> Iterator[dict[str, Any]]:
         if body.stream_options and body.stream_options.include_usage:

@@ -160,6 +160,19 @@ def prompt_logprobs_of(state: ServerState, tokenizer: Any,
     return result
 
 
+def running_usage(body: Any, num_prompt_tokens: int, num_completion_tokens: int
+                  ) -> dict[str, Any]:
+    """A stream chunk's ``usage`` entry under vLLM's ``continuous_usage_stats`` (which counts
+    only with ``include_usage``): its prompt's tokens and its choice's tokens so far; ``{}``
+    otherwise, so that the chunk is as without it."""
+    options = body.stream_options
+    if not (options and options.include_usage and options.continuous_usage_stats):
+        return {}
+    return {"usage": Usage(prompt_tokens=num_prompt_tokens,
+                           completion_tokens=num_completion_tokens,
+                           total_tokens=num_prompt_tokens + num_completion_tokens).model_dump()}
+
+
 def usage_of(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:
     num_prompt = sum(len(p) for p in prompts)
     num_completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)

@@ -51,6 +51,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Body):

@@ -545,3 +545,38 @@ def test_prompt_logprobs_with_stream_is_a_400_unless_0(client, engine, chat):
     assert error["param"] == "prompt_logprobs" and "stream" in error["message"], error
     assert create(0)[-1].choices[0].finish_reason == "length"
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("continuous", [False, True])
+def test_continuous_usage_stats_put_each_choices_usage_so_far_on_every_chunk(
+        client, reference_llm, engine, chat, continuous):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    its prompt's tokens and its choice's tokens so far; without it only the last chunk has
+    usage."""
+    options = {"include_usage": True, "continuous_usage_stats": continuous}
+    kwargs = dict(model=MODEL, max_tokens=MAX_TOKENS, seed=SEED, temperature=TEMPERATURE, n=2,
+                  stream=True, stream_options=options)
+    if chat:
+        chunks = list(client.chat.completions.create(messages=MESSAGES, **kwargs))
+        num_prompt = len(chat_prompt_ids(reference_llm))
+    else:
+        chunks = list(client.completions.create(prompt="The quick brown fox", **kwargs))
+        (want,) = expected(reference_llm, "The quick brown fox", n=2)
+        num_prompt = len(want.prompt_token_ids)
+    *choice_chunks, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 2 * MAX_TOKENS
+    if not continuous:
+        assert all(c.usage is None for c in choice_chunks)
+        return
+    so_far: dict[int, list[int]] = {0: [], 1: []}
+    for c in choice_chunks:
+        (choice,) = c.choices
+        assert c.usage.prompt_tokens == num_prompt
+        assert c.usage.total_tokens == num_prompt + c.usage.completion_tokens
+        so_far[choice.index].append(c.usage.completion_tokens)
+    for counts in so_far.values():
+        assert counts == sorted(counts) and counts[-1] == MAX_TOKENS
+    if chat:  # the role chunk that opens each choice comes before any token
+        assert so_far[0][0] == so_far[1][0] == 0
+    assert_idle(engine)
