@@ -21,7 +21,7 @@ TRITON_HEAD_DIMS = (64, 128)
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     """The context length Kiln serves: the user's choice, bounded by what the model supports."""
-    limit = arch.context_limit  # (the sliding window, if shorter: Kiln attends over it all)
+    limit = arch.max_position_embeddings
     if requested is None:
         return limit
     if requested > limit:

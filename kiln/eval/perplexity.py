@@ -207,7 +207,7 @@ def _window(window: int | None, models: dict[str, Any]) -> int:
     """`window`, or by default the shortest context of `models` (name -> loaded model). A window
     past a model's context would index beyond its rotary table deep in the forward pass."""
     name, context = min(
-        ((name, loaded.arch.context_limit) for name, loaded in models.items()),
+        ((name, loaded.arch.max_position_embeddings) for name, loaded in models.items()),
         key=lambda name_context: name_context[1],
     )
     if window is None:

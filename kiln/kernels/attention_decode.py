@@ -16,6 +16,12 @@ length: a short context is spread over as many splits as it has tiles, a long on
 them, and the splits it does not need exit at once. With a single split (DIRECT) the first pass
 writes the output directly and no second pass runs.
 
+A sliding-window layer (the query at p sees keys p - window < k <= p) partitions only the keys
+from the tile that holds the window's first one, max(0, seq_len - window) rounded down to BLOCK_N:
+a long context reads its window's K/V and nothing before it. Only that first tile is masked
+below: it is the first partition's first tile, always masked, and holds the window's first key,
+so that every partition sees at least one key.
+
 Under PDL a program loads its first tile's cached K/V before waiting for the kernel before it,
 which writes only this step's K/V (the newest position, loaded after the wait): at batch 1 a
 partition is often that single tile, so its reads overlap the previous kernel.
@@ -36,6 +42,7 @@ from kiln.kernels.attention_prefill import (
     _tile_softmax,
     attention_output,
     check_attention_args,
+    window_args,
 )
 
 # (BLOCK_N, num_warps, num_stages); tuned on an H100 (benchmarks/gpu_kernels.py --decode-sweep,
@@ -93,25 +100,29 @@ def decode_launch_config(
 
 
 @triton.jit
-def _partition_len(seq_len, num_splits, min_partition_len, block_n):
-    """Keys per partition of a sequence: its real length over the splits, in whole tiles (so that
-    only the last partition has a ragged tile), never under min_partition_len. Both passes call
-    this, so the reduction reads exactly the partitions that ran."""
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), block_n) * block_n
-    return tl.maximum(per_split, min_partition_len)
+def _partitions(seq_len, window, num_splits, min_partition_len, block_n, SLIDING: tl.constexpr):
+    """Where a sequence's partitions start (the tile of its window's first key; 0 without a
+    window) and how many keys each holds: the keys from there over the splits, in whole tiles
+    (so that only the last partition has a ragged tile), never under min_partition_len. Both
+    passes call this, so the reduction reads exactly the partitions that ran."""
+    kv_start = 0
+    if SLIDING:
+        kv_start = (tl.maximum(seq_len - window, 0) // block_n) * block_n
+    per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), block_n) * block_n
+    return kv_start, tl.maximum(per_split, min_partition_len)
 
 
-# these ints change with batch and context length: no per-value specialization, so a new step
-# shape never triggers a compile while serving
-@triton.jit(do_not_specialize=["stride_bt", "min_partition_len", "num_splits"])
+# these ints change with batch and context length (the window from layer to layer): no
+# per-value specialization, so a new step shape never triggers a compile while serving
+@triton.jit(do_not_specialize=["stride_bt", "min_partition_len", "num_splits", "window"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    qk_scale, min_partition_len, num_heads, num_splits,
+    qk_scale, min_partition_len, num_heads, num_splits, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # kv heads fastest in the grid: the programs of one sequence run side by side and read the
     # adjacent 256-byte head slices of each cache row together (1% faster at 512 x 640 keys,
@@ -127,8 +138,9 @@ def _decode_kernel(
     q_row = tl.load(cu_seqlens_q_ptr + seq)
     has_query = tl.load(cu_seqlens_q_ptr + seq + 1) != q_row  # else no query this step
     seq_len = tl.load(seq_lens_ptr + seq)
-    partition_len = _partition_len(seq_len, num_splits, min_partition_len, BLOCK_N)
-    start = split * partition_len
+    kv_start, partition_len = _partitions(seq_len, window, num_splits, min_partition_len,
+                                          BLOCK_N, SLIDING)
+    start = kv_start + split * partition_len
     active = has_query & (start < seq_len)
     # an idle program looks up no page past its table: page 0, no keys
     end = tl.where(active, tl.minimum(start + partition_len, seq_len), 0)
@@ -162,20 +174,20 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     p, acc, l_i, m_i = _tile_softmax(acc, l_i, m_i, q, q_pos, k_t, offs_n, n_valid, qk_scale,
-                                     True)  # fmt: skip
+                                     window, True, SLIDING)  # fmt: skip
     acc = _dot(p.to(q.dtype), v.to(q.dtype), acc)
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
     for start_n in range(start + BLOCK_N, full_end, BLOCK_N):
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, q_pos, start_n, end, bt_row, k_head, v_head,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-            PAGE_SIZE, HEAD_DIM, BLOCK_N, False,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, False, SLIDING,
         )  # fmt: skip
     for start_n in range(tl.maximum(full_end, start + BLOCK_N), end, BLOCK_N):  # a ragged tile
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, q_pos, start_n, end, bt_row, k_head, v_head,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-            PAGE_SIZE, HEAD_DIM, BLOCK_N, True,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, True, SLIDING,
         )  # fmt: skip
     out = acc / l_i[:, None]
     if DIRECT:  # a single partition: its output is final
@@ -188,11 +200,11 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["min_partition_len", "num_splits"])
+@triton.jit(do_not_specialize=["min_partition_len", "num_splits", "window"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-    stride_ot, stride_oh, min_partition_len, num_heads, num_splits, block_n,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_ot, stride_oh, min_partition_len, num_heads, num_splits, block_n, window,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -202,8 +214,9 @@ def _decode_reduce_kernel(
     wait_for_inputs(USE_PDL)
     if not has_query:
         return
-    partition_len = _partition_len(seq_len, num_splits, min_partition_len, block_n)
-    num_parts = tl.cdiv(seq_len, partition_len)  # partitions that ran
+    kv_start, partition_len = _partitions(seq_len, window, num_splits, min_partition_len,
+                                          block_n, SLIDING)
+    num_parts = tl.cdiv(seq_len - kv_start, partition_len)  # partitions that ran
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < num_parts
@@ -232,9 +245,10 @@ def paged_attention_decode_triton(
     config: tuple[int, int, int] | None = None,
     min_partition_len: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Launch decode (+ reduction); every sequence has at most one query token. ``out``: see
-    attention_output.
+    attention_output; ``window``: the layer's sliding window (None: the whole context).
 
     num_splits and config = (BLOCK_N, num_warps, num_stages) override decode_launch_config's
     choice, and min_partition_len the one-tile floor of the partition length (tests and
@@ -249,14 +263,18 @@ def paged_attention_decode_triton(
     out = attention_output(q, out)
     if q.shape[0] == 0 or num_seqs == 0 or max_seqlen_k == 0:
         return out
-    launch = decode_launch_config(num_seqs, num_kv_heads, max_seqlen_k, num_sms(q.device))
+    # a windowed query reads its window, from the start of the tile that holds its first key
+    max_keys = max_seqlen_k if window is None else min(max_seqlen_k, window)
+    launch = decode_launch_config(num_seqs, num_kv_heads, max_keys, num_sms(q.device))
     block_n, num_warps, num_stages = config or launch[:3]
+    if window is not None:
+        max_keys = min(max_seqlen_k, window + block_n - 1)
     if num_splits is None:
         num_splits = launch.num_splits
     # partitions hold whole tiles and at least min_partition_len keys: a split past
-    # cdiv(max_seqlen_k, min_partition_len) could never run, so none is launched
+    # cdiv(max_keys, min_partition_len) could never run, so none is launched
     min_partition_len = triton.cdiv(min_partition_len or block_n, block_n) * block_n
-    num_splits = max(1, min(num_splits, triton.cdiv(max_seqlen_k, min_partition_len)))
+    num_splits = max(1, min(num_splits, triton.cdiv(max_keys, min_partition_len)))
     group = num_heads // num_kv_heads
     launch_pdl = pdl(q.device)
     assert num_seqs < 65536, f"{num_seqs} sequences: the grid's second axis holds at most 65535"
@@ -273,14 +291,14 @@ def paged_attention_decode_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, min_partition_len, num_heads, num_splits,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=num_splits == 1,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=num_splits == 1, **window_args(window),
         num_warps=num_warps, num_stages=num_stages, **launch_pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, cu_seqlens_q, seq_lens, out.stride(0), out.stride(1),
             min_partition_len, num_heads, num_splits, block_n,
-            BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim, **window_args(window),
             num_warps=4, **launch_pdl,
         )  # fmt: skip
     return out

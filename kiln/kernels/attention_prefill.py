@@ -3,12 +3,18 @@
 For each sequence b (queries q[cu_seqlens_q[b]:cu_seqlens_q[b+1]], the last q_len of its
 seq_lens[b] positions) and query head h with kv head g = h // (num_heads // num_kv_heads):
 
-    out[i] = sum_{j <= pos(i)} softmax_j(scale * q[i] . K[j]) V[j],   pos(i) = ctx_len + i
+    out[i] = sum_{pos(i) - window < j <= pos(i)} softmax_j(scale * q[i] . K[j]) V[j],
+    pos(i) = ctx_len + i
+
+(window: the layer's sliding window, as transformers' sliding_window_overlay. The constexpr
+SLIDING compiles it in: a layer that does not slide runs the plain causal kernel.)
 
 One program owns BLOCK_M query rows of one head and streams BLOCK_N keys at a time through an
 online softmax (running max m, running sum l, fp32 accumulator), in base 2 with scale * log2(e)
-folded into the logits. Key tiles that every row of the program may see skip the causal mask;
-only the tiles that touch the diagonal (or the end of the context) are masked.
+folded into the logits. Key tiles that every row of the program may see skip the mask; only the
+tiles that touch the diagonal, the end of the context or the window's lower edge are masked, and
+the key loops start at the first tile the block's first row sees, so a long context costs a
+windowed layer only its window.
 
 Where the keys come from:
 - the cached context (ctx_len = seq_len - q_len keys, a prefix-cache hit or earlier chunks) is
@@ -42,6 +48,12 @@ SHORT_CONFIG = (64, 64, 4, 3)
 FLOAT32_CONFIG = (64, 32, 4, 2)  # 4-byte elements: the 16-bit tiles would not fit shared memory
 
 
+def window_args(window: int | None) -> dict[str, int | bool]:
+    """The kernels' window arguments for a layer's sliding window (None: it does not slide)."""
+    assert window is None or window >= 1, f"sliding window {window} must be at least 1"
+    return {"window": window or 0, "SLIDING": window is not None}
+
+
 def prefill_config(head_dim: int, max_seqlen_q: int, dtype: torch.dtype,
                    new_kv: bool) -> tuple[int, int, int, int]:
     """The launch config the engine uses for this problem."""
@@ -73,6 +85,21 @@ def _online_softmax(qk, l_i, m_i, qk_scale):
 
 
 @triton.jit
+def _window_tiles(first, last, full_end, window, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """Key-tile bounds for query rows at positions first..last (keys p - window < k <= p):
+    lo, the tile of the first key any row sees, and mid, from where every row sees every key
+    below full_end (lo <= mid <= max(lo, full_end)), so that [lo, mid) is masked and
+    [mid, full_end) is not. Multiples of BLOCK_N; both 0 without a window."""
+    if SLIDING:
+        lo = (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N
+        every = tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N
+        mid = tl.maximum(lo, tl.minimum(every, full_end))
+    else:
+        lo, mid = 0, 0
+    return lo, mid
+
+
+@triton.jit
 def _kv_tile_ptrs(
     start_n, kv_end, bt_row_ptr, k_head_ptr, v_head_ptr, stride_kb, stride_ks, stride_vb,
     stride_vs, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -101,12 +128,15 @@ def _kv_tile_ptrs(
 
 
 @triton.jit
-def _tile_softmax(acc, l_i, m_i, q, q_pos, k_t, offs_n, n_valid, qk_scale, MASKED: tl.constexpr):
+def _tile_softmax(acc, l_i, m_i, q, q_pos, k_t, offs_n, n_valid, qk_scale, window,
+                  MASKED: tl.constexpr, SLIDING: tl.constexpr):  # fmt: skip
     """Scores of a key tile K^T [HEAD_DIM, BLOCK_N] folded into the online softmax: the tile's
     probabilities p, the accumulator rescaled for them, and the new l_i, m_i."""
     qk = _dot(q, k_t.to(q.dtype), None)  # an fp8 cache is widened in registers (no-op otherwise)
     if MASKED:
         keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if SLIDING:
+            keep = keep & (offs_n[None, :] > q_pos[:, None] - window)
         qk = tl.where(keep, qk, float("-inf"))
     p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, qk_scale)
     return p, acc * alpha[:, None], l_i, m_i
@@ -115,10 +145,12 @@ def _tile_softmax(acc, l_i, m_i, q, q_pos, k_t, offs_n, n_valid, qk_scale, MASKE
 @triton.jit
 def _attn_tile(
     acc, l_i, m_i, q, q_pos, start_n, kv_end, bt_row_ptr, k_head_ptr, v_head_ptr,
-    stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+    stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):  # fmt: skip
-    """One BLOCK_N key tile of the online softmax; MASKED applies causality and kv_end."""
+    """One BLOCK_N key tile of the online softmax; MASKED applies causality, the window (with
+    SLIDING) and kv_end."""
     k_ptrs, v_ptrs, offs_n, n_valid = _kv_tile_ptrs(
         start_n, kv_end, bt_row_ptr, k_head_ptr, v_head_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, PAGE_SIZE, HEAD_DIM, BLOCK_N, MASKED)  # fmt: skip
@@ -127,7 +159,7 @@ def _attn_tile(
     else:
         k_t = tl.load(k_ptrs)
     p, acc, l_i, m_i = _tile_softmax(acc, l_i, m_i, q, q_pos, k_t, offs_n, n_valid, qk_scale,
-                                     MASKED)  # fmt: skip
+                                     window, MASKED, SLIDING)  # fmt: skip
     if MASKED:  # noqa: SIM108
         v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
     else:
@@ -138,11 +170,11 @@ def _attn_tile(
 
 @triton.jit
 def _new_kv_tile(
-    acc, l_i, m_i, q, offs_m, start_n, k_desc, v_desc, row0, kv_col, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    acc, l_i, m_i, q, offs_m, start_n, k_desc, v_desc, row0, kv_col, qk_scale, window,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr,
 ):  # fmt: skip
     """One tile of the chunk's own keys, rows row0 + start_n... of k_new / v_new (query-local
-    key index start_n..., causal against query-local rows offs_m when MASKED)."""
+    key index start_n..., causal and windowed against query-local rows offs_m when MASKED)."""
     k = k_desc.load([row0 + start_n, kv_col])  # [BLOCK_N, HEAD_DIM]
     # V is requested before the softmax, not after it as in _attn_tile: 454 against 425 TFLOP/s
     # (H100, 4 x 4096, d128)
@@ -150,24 +182,28 @@ def _new_kv_tile(
     qk = _dot(q, k.T, None)
     if MASKED:
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        qk = tl.where(offs_n[None, :] <= offs_m[:, None], qk, float("-inf"))
+        keep = offs_n[None, :] <= offs_m[:, None]
+        if SLIDING:
+            keep = keep & (offs_n[None, :] > offs_m[:, None] - window)
+        qk = tl.where(keep, qk, float("-inf"))
     p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, qk_scale)
     acc = _dot(p.to(q.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_i
 
 
 # stride_bt is the block-table width, which changes from step to step: specializing on it (Triton
-# does for ints divisible by 16 or equal to 1) would compile a new variant mid-serving
-@triton.jit(do_not_specialize=["stride_bt"])
+# does for ints divisible by 16 or equal to 1) would compile a new variant mid-serving; nor is a
+# variant per window size worth one
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(
     q_desc, k_cache_ptr, v_cache_ptr, k_new_desc, v_new_desc, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    qk_scale,
+    qk_scale, window,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr,
-    PAGED_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    PAGED_STAGES: tl.constexpr, SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL)
     head = tl.program_id(0)
@@ -189,7 +225,10 @@ def _prefill_kernel(
     # tensor): they are computed and never stored.
     q = q_desc.load([q_start + m_block * BLOCK_M, head * HEAD_DIM])  # [BLOCK_M, HEAD_DIM]
     q_pos = first_pos + tl.arange(0, BLOCK_M)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # the running max starts finite: a row that sees no key of its first tiles (they hold the
+    # window's edge for the block's first rows) computes exp2(-inf - -1e30) = 0 and rescales by
+    # exp2(0) = 1, where -inf - -inf would be NaN
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -203,31 +242,49 @@ def _prefill_kernel(
     else:
         paged_end = tl.minimum(first_pos + BLOCK_M, seq_len)
         full_end = (first_pos // BLOCK_N) * BLOCK_N
-    # keys below full_end are visible to every row (and lie inside the context): no mask
-    for start_n in tl.range(0, full_end, BLOCK_N, num_stages=PAGED_STAGES):
+    # keys in [mid, full_end) are visible to every stored row (and lie inside the context): no
+    # mask; those below lo are outside every row's window: never read
+    last_pos = tl.minimum(first_pos + BLOCK_M, seq_len) - 1  # the block's last stored row
+    lo, mid = _window_tiles(first_pos, last_pos, full_end, window, BLOCK_N, SLIDING)
+    # the window's edge spans at most BLOCK_M / BLOCK_N + 1 tiles: not worth a pipeline's buffers
+    for start_n in tl.range(lo, mid, BLOCK_N, num_stages=1):
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, q_pos, start_n, paged_end, bt_row, k_head, v_head,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-            PAGE_SIZE, HEAD_DIM, BLOCK_N, False,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, True, SLIDING,
         )  # fmt: skip
-    for start_n in tl.range(full_end, paged_end, BLOCK_N, num_stages=PAGED_STAGES):
+    for start_n in tl.range(mid, full_end, BLOCK_N, num_stages=PAGED_STAGES):
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, q_pos, start_n, paged_end, bt_row, k_head, v_head,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-            PAGE_SIZE, HEAD_DIM, BLOCK_N, True,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, False, SLIDING,
         )  # fmt: skip
-    if NEW_KV:  # the chunk's own keys, query-local indices: causal is key <= query row
+    for start_n in tl.range(tl.maximum(mid, full_end), paged_end, BLOCK_N,
+                            num_stages=PAGED_STAGES):
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, q_pos, start_n, paged_end, bt_row, k_head, v_head,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, True, SLIDING,
+        )  # fmt: skip
+    if NEW_KV:  # the chunk's own keys, query-local indices: row - window < key <= row
         m_start = m_block * BLOCK_M
+        m_end = tl.minimum(m_start + BLOCK_M, q_len)
         kv_col = kv_head * HEAD_DIM
-        for start_n in range(0, m_start, BLOCK_N):
+        lo, mid = _window_tiles(m_start, m_end - 1, m_start, window, BLOCK_N, SLIDING)
+        for start_n in range(lo, mid, BLOCK_N):
             acc, l_i, m_i = _new_kv_tile(
                 acc, l_i, m_i, q, offs_m, start_n, k_new_desc, v_new_desc, q_start, kv_col,
-                qk_scale, BLOCK_N, False,
+                qk_scale, window, BLOCK_N, True, SLIDING,
             )  # fmt: skip
-        for start_n in range(m_start, tl.minimum(m_start + BLOCK_M, q_len), BLOCK_N):
+        for start_n in range(mid, m_start, BLOCK_N):
             acc, l_i, m_i = _new_kv_tile(
                 acc, l_i, m_i, q, offs_m, start_n, k_new_desc, v_new_desc, q_start, kv_col,
-                qk_scale, BLOCK_N, True,
+                qk_scale, window, BLOCK_N, False, SLIDING,
+            )  # fmt: skip
+        for start_n in range(tl.maximum(mid, m_start), m_end, BLOCK_N):
+            acc, l_i, m_i = _new_kv_tile(
+                acc, l_i, m_i, q, offs_m, start_n, k_new_desc, v_new_desc, q_start, kv_col,
+                qk_scale, window, BLOCK_N, True, SLIDING,
             )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
@@ -296,10 +353,12 @@ def paged_attention_prefill_triton(
     v_new: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Launch the prefill kernel. With k_new / v_new ([T, H_kv, D], q's dtype, rows aligned with
     q) the chunk's own keys come from them instead of the cache. `config` = (BLOCK_M, BLOCK_N,
-    num_warps, num_stages) overrides prefill_config's choice; `out` (see attention_output)."""
+    num_warps, num_stages) overrides prefill_config's choice; `out` (see attention_output);
+    `window`: the layer's sliding window (None: full causal attention)."""
     num_seqs, num_heads, num_kv_heads, head_dim = check_attention_args(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
     )
@@ -329,6 +388,6 @@ def paged_attention_prefill_triton(
         # with k_new the paged loops only cover a cached context (often none): unpipelined,
         # they leave the shared memory to the TMA loops (466 against 453 TFLOP/s at 4 x 4096)
         PAGED_STAGES=1 if new_kv else num_stages, num_warps=num_warps, num_stages=num_stages,
-        **pdl(q.device),
+        **window_args(window), **pdl(q.device),
     )  # fmt: skip
     return out

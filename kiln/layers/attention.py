@@ -43,12 +43,14 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 window: int | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.window = window  # sliding window: a query sees itself and window - 1 keys before it
         self.scale = head_dim ** -0.5
         # per-layer scales of an fp8 KV cache (1.0 unless a quantized checkpoint calibrated them)
         self.k_scale = 1.0
@@ -78,21 +80,21 @@ class Attention(nn.Module):
         if meta.backend != "triton":
             out = paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                       meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k,
-                                      scale)
+                                      scale, window=self.window)
         elif meta.prefill is None:
             out = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                   meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k, scale,
-                                  k_new, v_new)
+                                  k_new, v_new, window=self.window)
         else:
             nd, pre = meta.num_decode_seqs, meta.prefill
             pre_kv = (k_new[nd:], v_new[nd:]) if new_kv else (None, None)
             out = torch.empty_like(q)  # each part writes its rows in place: no copy after
             paged_attention(q[:nd], k_cache, v_cache, meta.cu_seqlens_q[: nd + 1],
                             meta.seq_lens[:nd], meta.block_tables[:nd], 1, meta.max_seqlen_k,
-                            scale, out=out[:nd])
+                            scale, out=out[:nd], window=self.window)
             paged_attention(q[nd:], k_cache, v_cache, pre.cu_seqlens_q, pre.seq_lens,
                             pre.block_tables, pre.max_seqlen_q, pre.max_seqlen_k, scale,
-                            *pre_kv, out=out[nd:])
+                            *pre_kv, out=out[nd:], window=self.window)
         if fp8:
             out = out * out_scale
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

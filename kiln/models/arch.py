@@ -28,10 +28,12 @@ UNSUPPORTED_ROPE = {
 }
 # Activations transformers' ACT2FN computes as SiLU (the only MLP activation Kiln has)
 SILU_NAMES = ("silu", "swish")
-# config.json fields read as sizes (positive integers; null: the default) and as flags (JSON
-# booleans): a string or a 0 there failed deep inside the model build, and bool("false") is True
+# config.json fields read as sizes (positive integers; null: the default, for sliding_window no
+# window) and as flags (JSON booleans): a string or a 0 there failed deep inside the model build,
+# and bool("false") is True
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+               "sliding_window")
 FLAG_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 
 
@@ -68,7 +70,9 @@ class ArchConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    sliding_window: int | None  # the window of the layers that slide; None: none slides
+    # per layer: its sliding window (a query sees itself and window - 1 keys before it), or
+    # None where it attends to every earlier key
+    layer_windows: tuple[int | None, ...]
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
@@ -80,14 +84,6 @@ class ArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-    @property
-    def context_limit(self) -> int:
-        """The longest sequence Kiln computes as transformers does: max_position_embeddings, or
-        the sliding window when layers slide (Kiln's attention never windows)."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -145,22 +141,28 @@ def _rope_from_config(cfg: dict[str, Any], source: str = "config.json") -> RopeC
     )
 
 
-def _sliding_window(arch: str, cfg: dict[str, Any], num_layers: int) -> int | None:
-    """The window of the layers that slide, as transformers decides it (None: none slides)."""
+def _layer_windows(arch: str, cfg: dict[str, Any], num_layers: int,
+                   source: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers decides it (None: the layer does not slide)."""
+    full = (None,) * num_layers
     if arch == "MistralForCausalLM":  # every layer; MistralConfig's default is 4096
         window = cfg.get("sliding_window", 4096)
-        return int(window) if window else None
+        return (int(window),) * num_layers if window else full
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         # only with use_sliding_window, and only the layers layer_types (by default: those from
         # max_window_layers on) marks as sliding
         window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
         if not window:
-            return None
+            return full
         layer_types = cfg.get("layer_types") or [
             "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else
             "full_attention" for i in range(num_layers)]
-        return int(window) if "sliding_attention" in layer_types else None
-    return None
+        if len(layer_types) != num_layers:
+            raise ValueError(f"{source}: layer_types names {len(layer_types)} layers but "
+                             f"num_hidden_layers={num_layers}; fix it from the model's original "
+                             "config.json")
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    return full
 
 
 def _as_id_tuple(value: Any, key: str, source: str) -> tuple[int, ...]:
@@ -250,7 +252,7 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Arc
         o_bias=o_bias,
         mlp_bias=mlp_bias,
         qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
-        sliding_window=_sliding_window(arch, cfg, num_layers),
+        layer_windows=_layer_windows(arch, cfg, num_layers, source),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(cfg.get("eos_token_id"), "eos_token_id", source),

@@ -1,8 +1,9 @@
 """The Llama family in one implementation: Llama 2/3/3.1, Mistral, Qwen2 and Qwen3.
 
 Variants differ only by flags in ``ArchConfig`` (q/k/v bias, per-head q/k RMSNorm, tied
-embeddings, rope scaling). Tokens are laid flat ([num_tokens]) across all sequences of a batch;
-``AttentionMetadata`` tells attention where each sequence starts and where its KV lives.
+embeddings, rope scaling, each layer's sliding window). Tokens are laid flat ([num_tokens])
+across all sequences of a batch; ``AttentionMetadata`` tells attention where each sequence starts
+and where its KV lives.
 """
 
 from __future__ import annotations
@@ -25,17 +26,11 @@ from kiln.models.arch import ArchConfig
 from kiln.parallel import SINGLE, TPContext
 
 
-def check_sequence_length(cfg: ArchConfig, seq_len: int, max_positions: int) -> None:
-    """Refuse a sequence Kiln would compute wrong: past the rotary table, or past the window of
-    a model whose layers slide (Kiln's attention always sees the whole sequence)."""
+def check_sequence_length(seq_len: int, max_positions: int) -> None:
+    """Refuse a sequence Kiln would compute wrong: past the rotary table."""
     if seq_len > max_positions:
         raise ValueError(f"sequence of {seq_len} tokens is longer than the model's "
                          f"{max_positions} positions; split it")
-    if cfg.sliding_window is not None and seq_len > cfg.sliding_window:
-        raise ValueError(f"sequence of {seq_len} tokens is longer than the model's sliding "
-                         f"window of {cfg.sliding_window} tokens: Kiln attends over the whole "
-                         f"sequence, which {cfg.architecture} does only within its window; "
-                         f"split it into windows of at most {cfg.sliding_window} tokens")
 
 
 class LlamaAttention(nn.Module):
@@ -52,7 +47,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, cfg.head_dim)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, cfg.head_dim,
+                              cfg.layer_windows[layer_idx])
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -150,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Plain causal forward without a persistent cache: [B, L] -> logits [B, L, V]."""
         num_seqs, seq_len = input_ids.shape
-        check_sequence_length(self.cfg, seq_len, self.max_positions)
+        check_sequence_length(seq_len, self.max_positions)
         device = input_ids.device
         caches = contiguous_kv_caches(self.cfg.num_layers, num_seqs, seq_len, self.num_kv_heads,
                                       self.cfg.head_dim, self.embed_tokens.weight.dtype, device)

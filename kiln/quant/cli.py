@@ -141,7 +141,7 @@ def check_seq_len(ctx: click.Context, seq_len: int, model: str, path: Path) -> i
     an explicit one past it is an error, the default is capped to it."""
     from kiln.models.loader import read_arch
 
-    context = read_arch(path).context_limit
+    context = read_arch(path).max_position_embeddings
     if seq_len <= context:
         return seq_len
     if given(ctx, "seq_len"):

@@ -94,15 +94,41 @@ def make_paged_kv(
     return ks, vs, k_cache.to(device), v_cache.to(device), block_tables.to(device)
 
 
+def set_cache_nan(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq: int, positions: range) -> None:
+    """NaN into the cache slots of sequence ``seq`` at ``positions``: a kernel that reads them
+    (a NaN key or value reaches the output even where its score is masked) returns NaN."""
+    block_size = k_cache.shape[1]
+    pos = torch.arange(positions.start, positions.stop, device=k_cache.device)
+    blocks = block_tables[seq, pos // block_size].long()
+    k_cache[blocks, pos % block_size] = float("nan")
+    v_cache[blocks, pos % block_size] = float("nan")
+
+
+def poison_outside_window(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, q_lens: list[int], seq_lens: list[int],
+                          window: int, tile: int) -> None:
+    """NaN into every cached key in the whole ``tile``-key tiles before the one holding the first
+    key that a sequence's first query sees (position seq_len - q_len - window + 1): the tiles a
+    windowed kernel with tiles of ``tile`` keys (or of a divisor of it) must skip, not mask."""
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        first_seen = max(0, seq_len - q_len - window + 1)
+        set_cache_nan(k_cache, v_cache, block_tables, b, range(first_seen // tile * tile))
+
+
 def _slots(block_ids: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
     offsets = torch.arange(block_size)
     return (block_ids[:, None] * block_size + offsets[None, :]).flatten()[:n]
 
 
 def naive_attention(
-    qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float
+    qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float,
+    window: int | None = None, rows_per_chunk: int = 1024,
 ) -> torch.Tensor:
-    """Dense causal attention per sequence in float64; q is the last q_len positions."""
+    """Dense causal attention per sequence in float64; q is the last q_len positions. With a
+    sliding ``window`` the query at p sees keys p - window < k <= p (transformers'
+    sliding_window_overlay). Queries go ``rows_per_chunk`` at a time, so that an 8k-token prompt's
+    float64 scores fit a GPU."""
     outs = []
     for q, k, v in zip(qs, ks, vs, strict=True):
         q_len, num_heads, _ = q.shape
@@ -110,9 +136,15 @@ def naive_attention(
         group = num_heads // num_kv_heads
         k64 = k.double().repeat_interleave(group, dim=1)  # [kv_len, H, D]
         v64 = v.double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.double(), k64) * scale
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v64))
+        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        for start in range(0, q_len, rows_per_chunk):
+            rows = q[start:start + rows_per_chunk]
+            scores = torch.einsum("qhd,khd->hqk", rows.double(), k64) * scale
+            q_pos = torch.arange(kv_len - q_len + start, kv_len - q_len + start + rows.shape[0],
+                                 device=q.device)[:, None]
+            visible = k_pos <= q_pos
+            if window is not None:
+                visible &= k_pos > q_pos - window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v64))
     return torch.cat(outs)

@@ -1,7 +1,9 @@
 """Paged attention: Triton prefill/decode (interpreted on CPU) and the reference vs dense float64.
 
 Every case lays several sequences flat, with their pages shuffled through a noisy cache, so wrong
-page indexing, reading past a context or a wrong causal offset all change the answer.
+page indexing, reading past a context or a wrong causal offset all change the answer. Sliding
+window cases also set the cached keys of the tiles wholly before a window to NaN, so a kernel
+that reads them rather than skipping them fails.
 """
 
 import pytest
@@ -13,6 +15,8 @@ from kernel_testing import (
     make_paged_kv,
     naive_attention,
     needs_triton,
+    poison_outside_window,
+    set_cache_nan,
 )
 
 from kiln.kernels.attention import paged_attention, paged_attention_ref
@@ -33,17 +37,16 @@ def new_kv_args(ks, vs, q_lens, seq_lens, k_cache, v_cache, block_tables) -> dic
     k_new = torch.cat([k[n - q:] for k, q, n in zip(ks, q_lens, seq_lens, strict=True)])
     v_new = torch.cat([v[n - q:] for v, q, n in zip(vs, q_lens, seq_lens, strict=True)])
     v_new = torch.cat([k_new, v_new], dim=1)[:, k_new.shape[1]:]  # row stride 2 * H_kv * D
-    block_size = k_cache.shape[1]
     for b, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True) if max(q_lens) > 1 else ()):
-        for pos in range(n - q, n):
-            block = block_tables[b, pos // block_size]
-            k_cache[block, pos % block_size] = float("nan")
-            v_cache[block, pos % block_size] = float("nan")
+        set_cache_nan(k_cache, v_cache, block_tables, b, range(n - q, n))
     return {"k_new": k_new, "v_new": v_new}
 
 
 def run_case(fn, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-             device="cpu", seed=0, new_kv=False):  # fmt: skip
+             device="cpu", seed=0, new_kv=False, window=None, skip_tile=None):  # fmt: skip
+    """fn's output against naive_attention. With a sliding ``window``, the cached keys in the
+    whole ``skip_tile``-key tiles before each sequence's window are NaN (poison_outside_window):
+    fn must not read them."""
     gen = torch.Generator().manual_seed(seed)
     ks, vs, k_cache, v_cache, block_tables = make_paged_kv(
         seq_lens, num_kv_heads, head_dim, block_size, dtype, device, gen
@@ -54,14 +57,19 @@ def run_case(fn, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
     kwargs = {}
     if new_kv:
         kwargs = new_kv_args(ks, vs, q_lens, seq_lens, k_cache, v_cache, block_tables)
+    if window is not None:
+        kwargs["window"] = window
+        poison_outside_window(k_cache, v_cache, block_tables, q_lens, seq_lens, window,
+                              skip_tile or block_size)
     out = fn(
         torch.cat(qs), k_cache, v_cache, cu.to(device),
         torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables,
         max(q_lens), max(seq_lens), scale, **kwargs,
     )  # fmt: skip
     assert out.dtype == dtype
-    what = f"q_lens={q_lens} seq_lens={seq_lens} H={num_heads}/{num_kv_heads} {dtype}"
-    assert_rel_close(out, naive_attention(qs, ks, vs, scale), TOL[dtype], what)
+    what = (f"q_lens={q_lens} seq_lens={seq_lens} H={num_heads}/{num_kv_heads} {dtype} "
+            f"window={window}")
+    assert_rel_close(out, naive_attention(qs, ks, vs, scale, window), TOL[dtype], what)
 
 
 # (q_lens, seq_lens): full prompts of length 1 and 17, a chunk continuing a cached prefix, a
@@ -161,6 +169,72 @@ def test_wrapper_on_cpu_is_reference():
     run_case(paged_attention, *MIXED, 4, 2, head_dim=32, block_size=8, dtype=torch.float32)
 
 
+# --- sliding window -------------------------------------------------------------------------
+# (q_lens, seq_lens): a 70-token prompt (five 16-row query blocks), a 37-token chunk after 63
+# cached tokens, a decode row at 90, a prompt ending on a page boundary, a 5-token chunk after
+# 35 cached, a 1-token prompt
+WINDOWED = ([70, 37, 1, 16, 5, 1], [70, 100, 90, 16, 40, 1])
+# 1: a query sees only itself; 5 and 33: window edges inside 16-key tiles; 16 and 32: on tile
+# and page boundaries; 40 and 100: as long as a context; 128: longer than every context
+WINDOWS = [1, 5, 16, 32, 33, 40, 100, 128]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"H{h[0]}-{h[1]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reference_window(window, heads, dtype):
+    run_case(paged_attention_ref, *WINDOWED, *heads, head_dim=64, block_size=16, dtype=dtype,
+             window=window)  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"H{h[0]}-{h[1]}")
+@pytest.mark.parametrize("dtype", INTERPRET_DTYPES)
+def test_prefill_triton_window(window, heads, dtype):
+    """Every key from the pages (16-key tiles, pages of 32: two tiles a page); the tiles before
+    the window are NaN."""
+    def fn(*args, **kwargs):
+        return paged_attention_prefill_triton(*args, **kwargs, config=(16, 16, 4, 1))
+
+    run_case(fn, *WINDOWED, *heads, head_dim=64, block_size=32, dtype=dtype, seed=window,
+             window=window, skip_tile=16)  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", INTERPRET_DTYPES)
+@pytest.mark.parametrize("tiles", [(16, 16), (32, 16)], ids=["16x16", "32x16"])
+def test_prefill_triton_new_kv_window(window, dtype, tiles):
+    """The chunks' own keys from k_new / v_new, windowed in query-local indices, the cached
+    context from the pages; 32-row query blocks span two key tiles, so a narrow window leaves
+    some rows of a block nothing in the block's first tiles."""
+    def fn(*args, **kwargs):
+        return paged_attention_prefill_triton(*args, **kwargs, config=(*tiles, 4, 1))
+
+    run_case(fn, *WINDOWED, 8, 2, head_dim=64, block_size=16, dtype=dtype, seed=20 + window,
+             new_kv=True, window=window, skip_tile=16)  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"H{h[0]}-{h[1]}")
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_triton_window(window, heads, num_splits):
+    def fn(*args, **kwargs):
+        return paged_attention_decode_triton(*args, **kwargs, num_splits=num_splits,
+                                             config=(16, 4, 1))
+
+    run_case(fn, *DECODE, *heads, head_dim=64, block_size=16, dtype=torch.float16,
+             seed=40 + window, window=window, skip_tile=16)  # fmt: skip
+
+
+def test_wrapper_on_cpu_windows():
+    """paged_attention hands the window on (on CPU, to the reference)."""
+    run_case(paged_attention, *WINDOWED, 4, 2, head_dim=32, block_size=8, dtype=torch.float32,
+             window=33)  # fmt: skip
+
+
 @gpu
 @pytest.mark.parametrize("seq_len", [1, 17, 1000])
 # "+new": the chunks' own K/V passed as k_new / v_new (decode always reads the cache)
@@ -191,3 +265,41 @@ def test_gpu_decode_big_batches(num_seqs):
     seq_lens = torch.randint(1, 900, (num_seqs,), generator=gen).tolist()
     run_case(paged_attention, [1] * num_seqs, seq_lens, 32, 8, 128, 16, torch.bfloat16,
              device="cuda", seed=num_seqs)  # fmt: skip
+
+
+@gpu
+@pytest.mark.parametrize("window", [4096, 1000])
+# "+new": the chunks' own K/V passed as k_new / v_new (decode always reads the cache)
+@pytest.mark.parametrize("kind", ["prefill", "chunk", "decode", "prefill+new", "chunk+new"])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (16, 2, 64)])
+def test_gpu_sliding_window(window, kind, heads):
+    """Mistral-7B's window (4096) and a shorter one over contexts up to 8k, bf16, with the tiles
+    and split counts the engine picks: 8192-token prompts (past the window from row 4096 on), a
+    prompt as long as the window, chunks after long cached prefixes beside decode rows. The
+    cached keys of the 128-key tiles wholly before each window (128: a multiple of every tile
+    the launch configs pick) are NaN: the kernels must skip them."""
+    kind, new_kv = kind.removesuffix("+new"), kind.endswith("+new")
+    num_heads, num_kv_heads, head_dim = heads
+    seq_lens = [8192, 4096, 6000, 8192, 300]
+    if kind == "prefill":
+        q_lens = seq_lens
+    elif kind == "chunk":  # chunked prefill over cached prefixes next to decodes
+        q_lens = [2048, 1, 1500, 1, 300]
+    else:
+        q_lens = [1] * len(seq_lens)
+    run_case(paged_attention, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, 16,
+             torch.bfloat16, device="cuda", seed=window, new_kv=new_kv, window=window,
+             skip_tile=128)  # fmt: skip
+
+
+@gpu
+@pytest.mark.parametrize("num_seqs", [1, 64, 160])
+def test_gpu_decode_window_batches(num_seqs):
+    """Split-KV decode under a 4096-key window: batch 1 (tiny tiles, many splits over the
+    window), 64 x 8 and 160 x 8 (sequence, kv head) pairs; contexts of 1 to 9000 tokens."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    seq_lens = torch.randint(1, 9000, (num_seqs,), generator=gen).tolist()
+    if num_seqs == 1:
+        seq_lens = [8192]
+    run_case(paged_attention, [1] * num_seqs, seq_lens, 32, 8, 128, 16, torch.bfloat16,
+             device="cuda", seed=num_seqs, window=4096, skip_tile=128)  # fmt: skip

@@ -2,13 +2,21 @@
 sized from the real length, down to one tile, against paged_attention_ref.
 
 The kernel cases pass max_seqlen_k = 4096 for contexts of 1 to 100 tokens, as a CUDA graph
-captured at max_model_len does, with the block table padded to that width.
+captured at max_model_len does, with the block table padded to that width. Sliding-window cases
+partition only the window (from the tile holding its first key); the cached keys of the tiles
+before it are NaN, so reading them fails the case.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import INTERPRET_DTYPES, assert_rel_close, make_paged_kv, needs_triton
+from kernel_testing import (
+    INTERPRET_DTYPES,
+    assert_rel_close,
+    make_paged_kv,
+    needs_triton,
+    poison_outside_window,
+)
 
 from kiln.kernels.attention import paged_attention_ref
 from kiln.kernels.attention_decode import (
@@ -71,9 +79,10 @@ def test_launch_config_bounds(sms, num_kv_heads):
 def run_decode(
     seq_lens: list[int], num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int,
     block_size: int = 16, max_seqlen_k: int = 4096, no_query: tuple[int, ...] = (),
-    **launch: object,
+    window: int | None = None, **launch: object,
 ) -> None:  # fmt: skip
-    """Decode one query per sequence (none for the indices in no_query) against the reference."""
+    """Decode one query per sequence (none for the indices in no_query) against the reference,
+    with the layer's sliding ``window`` (the tiles before it NaN in the cache)."""
     gen = torch.Generator().manual_seed(seed)
     head_dim = 64
     _, _, k_cache, v_cache, block_tables = make_paged_kv(
@@ -82,18 +91,22 @@ def run_decode(
     # as wide as a graph's table for max_seqlen_k; the padding is page 0, another sequence's
     block_tables = F.pad(block_tables, (0, -(-max_seqlen_k // block_size) - block_tables.shape[1]))
     queries = [int(i not in no_query) for i in range(len(seq_lens))]
+    if window is not None:  # the launch's tile; the policy's is at most 64 keys
+        tile = launch["config"][0] if "config" in launch else 64
+        poison_outside_window(k_cache, v_cache, block_tables, [1] * len(seq_lens), seq_lens,
+                              window, tile)
     cu_seqlens_q = torch.tensor([0, *queries], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     q = torch.randn(sum(queries), num_heads, head_dim, generator=gen).to(dtype)
     args = (
         q, k_cache, v_cache, cu_seqlens_q,
         torch.tensor(seq_lens, dtype=torch.int32), block_tables, 1, max_seqlen_k, head_dim**-0.5,
     )  # fmt: skip
-    out = paged_attention_decode_triton(*args, **launch)
+    out = paged_attention_decode_triton(*args, **launch, window=window)
     # both round their output to dtype once, from fp32 softmax and accumulators: fp32 agrees to
     # ~1e-6, fp16 to a few 2^-11 (the kernel also rounds the probabilities for P.V)
     tol = {torch.float32: 1e-4, torch.float16: 2e-3}[dtype]
-    what = f"seq_lens={seq_lens} H={num_heads}/{num_kv_heads} {dtype} {launch}"
-    assert_rel_close(out, paged_attention_ref(*args), tol, what)
+    what = f"seq_lens={seq_lens} H={num_heads}/{num_kv_heads} {dtype} {launch} window={window}"
+    assert_rel_close(out, paged_attention_ref(*args, window=window), tol, what)
 
 
 # paged_attention_decode_triton overrides; what is left out is decode_launch_config's choice and
@@ -142,3 +155,25 @@ def test_decode_mixed_partition_counts(heads, dtype):
 def test_decode_sequences_without_a_query():
     """Sequences with no query token this step are skipped by both passes; the others are right."""
     run_decode(MIXED_LENS, 8, 2, torch.float16, seed=50, no_query=(1, 4), **FOUR_SPLITS)
+
+
+# windows of 1 key, edges inside and on 16-key tiles, a window as long as the longest context
+# and one longer than max_seqlen_k
+DECODE_WINDOWS = [1, 7, 16, 48, 100, 5000]
+
+
+@needs_triton
+@pytest.mark.parametrize("name", LAUNCHES)
+@pytest.mark.parametrize("window", DECODE_WINDOWS)
+def test_decode_window_partitions(name, window):
+    """Each launch partitions only the window's keys: MIXED_LENS and a 300-key context, whose
+    48-key window under 16-key tiles and 4 splits runs 3 partitions from position 240."""
+    run_decode([*MIXED_LENS, 300], 8, 2, torch.float16, seed=60 + window, window=window,
+               **LAUNCHES[name])  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", INTERPRET_DTYPES)
+def test_decode_window_with_sequences_without_a_query(dtype):
+    run_decode([*MIXED_LENS, 300], 2, 2, dtype, seed=70, no_query=(1, 6), window=33,
+               **FOUR_SPLITS)  # fmt: skip

@@ -3,7 +3,7 @@
 A seeded fuzz of small random configs per family (GQA/MQA, explicit head_dim, biases, tied
 embeddings, every rope type Kiln implements, 16-bit and sharded checkpoints), then regression
 tests for options that were computed wrong or crashed: sliding windows (Qwen2/Qwen3's
-use_sliding_window was ignored; past any window Kiln attends over everything), yarn and
+use_sliding_window was ignored; each layer gets its own window or none), yarn and
 dynamic rope, llama3's default original context, per-family bias keys, hidden_act, and
 checkpoint tensors that fit no parameter.
 """
@@ -166,11 +166,11 @@ def test_sliding_window_is_read_as_transformers_applies_it(family, fields):
                                                num_key_value_heads=2, hidden_size=32,
                                                architectures=[model_cls],
                                                **fields)
-    layer_types = getattr(config, "layer_types", None)  # Mistral has none: every layer slides
-    slides = config.sliding_window is not None and (
-        layer_types is None or "sliding_attention" in layer_types)
-    expected = config.sliding_window if slides else None
-    assert arch_from_hf_config(config.to_dict()).sliding_window == expected
+    # Mistral has no layer_types: every layer slides
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * 2
+    expected = tuple(config.sliding_window if t == "sliding_attention" else None
+                     for t in layer_types)
+    assert arch_from_hf_config(config.to_dict()).layer_windows == expected
 
 
 def test_mistral_without_sliding_window_key_gets_transformers_default():
@@ -178,23 +178,22 @@ def test_mistral_without_sliding_window_key_gets_transformers_default():
                                      num_key_value_heads=2,
                                      architectures=["MistralForCausalLM"]).to_dict()
     cfg.pop("sliding_window")
-    assert arch_from_hf_config(cfg).sliding_window == transformers.MistralConfig().sliding_window
+    assert arch_from_hf_config(cfg).layer_windows == (transformers.MistralConfig().sliding_window,)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "mistral"])
-def test_sliding_model_is_exact_up_to_its_window_and_refuses_past_it(family, tmp_path):
+def test_sliding_model_is_exact_past_its_window(family, tmp_path):
+    """Full logits and the engine's greedy decode over 4 windows (tests/models/
+    test_sliding_window.py covers chunks, prefix caching and logprobs)."""
     fields = (dict(sliding_window=8) if family == "mistral" else
               dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))
     path = save_hf(family, tmp_path / "m", **fields)
-    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 97, (2, 32), generator=torch.Generator().manual_seed(0))
     assert max_rel_err(path, ids) <= 1e-4
-    model = load_model(str(path), dtype="float32", device="cpu").model
-    with pytest.raises(ValueError, match="sliding window of 8 tokens"):
-        model.full_logits(torch.randint(3, 97, (1, 9)))
-    # the engine serves no more than the window (it used to serve 64 for Qwen and attend to all)
-    llm = kiln.LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
-    assert llm.max_model_len == 8
-    assert_greedy_matches_transformers(llm, path, [5, 9, 17, 40], 4)
+    # the engine serves the model's positions (it used to stop at the window)
+    llm = kiln.LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=32, block_size=4)
+    assert llm.max_model_len == 64
+    assert_greedy_matches_transformers(llm, path, [5, 9, 17, 40, 8, 3, 60, 11, 12, 13], 20)
 
 
 def test_full_logits_past_the_rotary_table_is_a_clear_error(tmp_path):
@@ -357,6 +356,8 @@ def test_sharded_16bit_checkpoint_with_index(tmp_path):
     (dict(num_hidden_layers=-1), "num_hidden_layers=-1 is not a positive integer"),
     (dict(intermediate_size="96"), "intermediate_size='96' is not a positive integer"),
     (dict(max_position_embeddings=0), "max_position_embeddings=0 is not a positive integer"),
+    # a window of no keys leaves a query nothing to attend to
+    (dict(sliding_window=0), "sliding_window=0 is not a positive integer"),
     # bool("false") is True: the LM head was silently replaced by the embedding
     (dict(tie_word_embeddings="false"), "tie_word_embeddings='false' is not true or false"),
     # "12" was read as the token ids 1 and 2
@@ -367,6 +368,14 @@ def test_config_field_of_the_wrong_type_is_named(llama_dir, fields, message):
     (llama_dir / "config.json").write_text(json.dumps({**cfg, **fields}))  # None: JSON null
     with pytest.raises(ValueError, match=f"config.json: {message}"):
         load_model(str(llama_dir), device="cpu")
+
+
+def test_layer_types_for_another_layer_count_is_named():
+    cfg = dict(architectures=["Qwen2ForCausalLM"], vocab_size=10, hidden_size=32,
+               intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+               use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 3)
+    with pytest.raises(ValueError, match="layer_types names 3 layers but num_hidden_layers=2"):
+        arch_from_hf_config(cfg)
 
 
 def test_config_that_is_not_an_object_is_named(llama_dir):
