@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hf_reference import assert_greedy_matches, hf_model, random_prompts
 from tiny_models import build_model
 
 import kiln
@@ -32,15 +33,6 @@ def sliding_dirs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("sliding")
     return {name: build_model(variant, root / name, seed=3, tokenizer=False, **fields)
             for name, (variant, fields) in CASES.items()}
-
-
-def hf_model(path) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def prompts_of(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
 def forward(model, caches, prompts: list[list[int]], start: list[int],
@@ -72,7 +64,7 @@ def test_prefill_logits_match_transformers(name, chunks, sliding_dirs):
     queries then see keys of earlier chunks only through the window)."""
     path = sliding_dirs[name]
     model = load_model(str(path), dtype="float32", device="cpu").model
-    prompts = prompts_of(PROMPT_LENS, model.cfg.vocab_size, seed=len(name))
+    prompts = random_prompts(PROMPT_LENS, model.cfg.vocab_size, seed=len(name))
     caches = contiguous_kv_caches(model.cfg.num_layers, len(prompts), max(PROMPT_LENS),
                                   model.num_kv_heads, model.cfg.head_dim, torch.float32,
                                   torch.device("cpu"))
@@ -93,18 +85,6 @@ def test_prefill_logits_match_transformers(name, chunks, sliding_dirs):
         assert diff <= 1e-4, f"{name}: max |logit diff| {diff:.2e}, {len(prompt)}-token prompt"
 
 
-def hf_greedy(ref, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy continuation by full recomputation (transformers' sliding mask over the whole
-    sequence, no sliding cache), plus each step's log-softmax."""
-    ids, logprobs = list(prompt), []
-    for _ in range(num_tokens):
-        with torch.no_grad():
-            last = ref(torch.tensor([ids])).logits[0, -1]
-        logprobs.append(last.log_softmax(-1))
-        ids.append(int(last.argmax()))
-    return ids[len(prompt):], logprobs
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_engine_greedy_decode_past_the_window_matches_transformers(name, sliding_dirs):
     """Greedy decode 24 tokens past prompts shorter than, as long as and 3x the window, in
@@ -116,19 +96,11 @@ def test_engine_greedy_decode_past_the_window_matches_transformers(name, sliding
                    max_num_batched_tokens=16, num_kv_blocks=256)
     window = max(w for w in llm.engine.loaded.arch.layer_windows if w is not None)
     assert llm.max_model_len == 512  # max_position_embeddings, no longer the window
-    prompts = prompts_of([5, window, 3 * window], llm.engine.loaded.arch.vocab_size, seed=11)
+    prompts = random_prompts([5, window, 3 * window], llm.engine.loaded.arch.vocab_size, seed=11)
     prompts.append(prompts[-1][:-2])
     params = kiln.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
     outputs = llm.generate(prompts, params)
-    ref = hf_model(path)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        expected_ids, expected_lps = hf_greedy(ref, prompt, 24)
-        completion = out.outputs[0]
-        assert completion.token_ids == expected_ids, f"{name}: {len(prompt)}-token prompt"
-        for step, (entry, lp) in enumerate(zip(completion.logprobs, expected_lps, strict=True)):
-            assert set(lp.topk(5).indices.tolist()) <= set(entry), f"{name}: step {step}"
-            for token, value in entry.items():
-                assert abs(value - lp[token].item()) <= 1e-4, f"{name}: step {step}, {token}"
+    assert_greedy_matches(hf_model(path), prompts, outputs, 24, name)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -137,7 +109,7 @@ def test_engine_matches_transformers_generate_with_its_sliding_cache(name, slidi
     DynamicSlidingWindowLayer): the same continuation."""
     path = sliding_dirs[name]
     llm = kiln.LLM(str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=256)
-    prompt = prompts_of([40], llm.engine.loaded.arch.vocab_size, seed=5)[0]
+    prompt = random_prompts([40], llm.engine.loaded.arch.vocab_size, seed=5)[0]
     out = llm.generate([prompt], kiln.SamplingParams(max_tokens=20, temperature=0.0,
                                                      ignore_eos=True))
     expected = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=20,

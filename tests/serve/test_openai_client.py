@@ -432,6 +432,15 @@ def test_logit_bias_reaches_the_sampler(client, reference_llm, endpoint):
 ALLOWED = [5, 19, 230, 267, 302]
 
 
+def served_text(client, endpoint: str, prompt: str, **options) -> str:
+    """The first choice's text from /v1/completions (``prompt``) or /v1/chat/completions
+    (MESSAGES, which ``prompt`` holds rendered for the reference)."""
+    if endpoint == "completions":
+        return client.completions.create(prompt=prompt, **options).choices[0].text
+    answer = client.chat.completions.create(messages=MESSAGES, **options)
+    return answer.choices[0].message.content
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_allowed_token_ids_reach_the_sampler(client, reference_llm, endpoint):
     """vLLM's allowed_token_ids: the answer equals kiln.LLM's with the same set, and every
@@ -442,12 +451,7 @@ def test_allowed_token_ids_reach_the_sampler(client, reference_llm, endpoint):
     assert set(want.outputs[0].token_ids) <= set(ALLOWED)
     options = dict(model=MODEL, max_tokens=MAX_TOKENS, seed=SEED, temperature=TEMPERATURE,
                    extra_body={"allowed_token_ids": ALLOWED})
-    if endpoint == "completions":
-        got = client.completions.create(prompt=prompt, **options).choices[0].text
-    else:
-        got = client.chat.completions.create(messages=MESSAGES, **options)
-        got = got.choices[0].message.content
-    assert got == want.outputs[0].text
+    assert served_text(client, endpoint, prompt, **options) == want.outputs[0].text
 
 
 def a_word_of(llm, prompt) -> str:
@@ -470,12 +474,7 @@ def test_bad_words_reach_the_sampler(client, reference_llm, endpoint):
     assert want.outputs[0].text != free.outputs[0].text
     options = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0,
                    extra_body={"bad_words": words})
-    if endpoint == "completions":
-        got = client.completions.create(prompt=prompt, **options).choices[0].text
-    else:
-        got = client.chat.completions.create(messages=MESSAGES, **options)
-        got = got.choices[0].message.content
-    assert got == want.outputs[0].text
+    assert served_text(client, endpoint, prompt, **options) == want.outputs[0].text
 
 
 def assert_prompt_logprobs(served, want, tokenizer, k: int) -> None:
