@@ -330,6 +330,21 @@ def bench_decode(batch, ctx, num_heads=32, num_kv_heads=8, head_dim=128, page=16
     record(name, shape, main[0], gbytes=gbytes, err=main[1], extra=extra)
 
 
+def bench_decode_window(batch=64, ctx=8192, window=4096, num_heads=32, num_kv_heads=8,
+                        head_dim=128):
+    """A sliding-window layer's decode (Mistral's 4096 keys) over a longer context: it reads its
+    window's K/V alone; the whole context's decode is the timed baseline."""
+    args, scale = paged_problem([ctx] * batch, [1] * batch, num_heads, num_kv_heads, head_dim)
+    err = rel_err(paged_attention_decode_triton(*args, scale, window=window),
+                  paged_attention_ref(*args, scale, window=window))
+    ms = bench_ms(lambda: paged_attention_decode_triton(*args, scale, window=window))
+    full_ms = bench_ms(lambda: paged_attention_decode_triton(*args, scale))
+    gbytes = 2 * batch * min(window, ctx) * num_kv_heads * head_dim * 2 / 1e9  # the window's K/V
+    record(f"decode_window{window}_b{batch}_ctx{ctx}",
+           [batch, ctx, num_heads, num_kv_heads, head_dim], ms, gbytes=gbytes, err=err,
+           baseline_ms=full_ms)
+
+
 # --decode-sweep: real contexts under the max_seqlen_k a decode CUDA graph is captured with (the
 # engine's default max_model_len), then eager-shaped big-batch guards (max_seqlen_k = the context)
 # that are already near the copy ceiling and must not get slower
@@ -505,6 +520,7 @@ def main() -> None:
         lambda: bench_decode(64, 1024), lambda: bench_decode(8, 16384),
         lambda: bench_decode(64, 1024, page=64, sweep=False),
         lambda: bench_decode(8, 16384, page=64, sweep=False),
+        bench_decode_window, lambda: bench_decode_window(8, 16384),
     ]  # fmt: skip
     if SMOKE:
         steps = [
@@ -516,6 +532,7 @@ def main() -> None:
                                                                           new_kv=False),
             lambda: bench_decode(3, 100, 4, 1, 64),
             lambda: bench_decode(3, 100, 4, 1, 64, page=64, sweep=False),
+            lambda: bench_decode_window(3, 100, 40, 4, 1, 64),
         ]  # fmt: skip
     if opts.decode_sweep:
         cases = [(b, ctx, SWEEP_MAX_SEQLEN_K) for b in SWEEP_BATCHES for ctx in SWEEP_CONTEXTS]
