@@ -228,14 +228,18 @@ class LLMEngine:
         now = time.monotonic() if now is None else now
         sampled = {r.request_id: r for r in result.requests}  # in order, each once
         outputs = []
+        num_prompt_tokens = 0
         for request in sampled.values():
             if not request.forked:
                 self._fork(request)
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
-                self.stats.prompt_tokens += len(request.prompt_token_ids)
+                num_prompt_tokens += len(request.prompt_token_ids)
             metrics.token_times.append(now)
+        self.stats.prompt_tokens += num_prompt_tokens
+        if result.seqs:  # as vLLM's iteration_tokens_total: the steps that sampled, prompts whole
+            self.stats.iteration_tokens.observe(num_prompt_tokens + len(result.seqs))
         for seq in result.seqs:
             if seq.finished:
                 self.kv.free(seq.seq_id)

@@ -212,14 +212,16 @@ async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
 
     pumps = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
     running = set(range(len(prompts)))
+    latest: dict[int, RequestOutput] = {}  # for the metrics of a prompt that never finishes
     try:
         while running:
             index, item = await queue.get()
             if isinstance(item, Exception):
                 raise item
+            latest[index] = item
             if item.finished:
                 running.discard(index)
-                metrics.observe_finished(item)
+                metrics.observe_finished(item, params[index])
             yield index, item
     finally:
         for index in running:  # (a pump cancelled before it started cannot abort by itself)
@@ -227,7 +229,8 @@ async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
         for task in pumps:
             task.cancel()
         if running:  # aborted here, or failed in the engine (which aborted them)
-            metrics.observe_aborted(sum(params[i].n for i in running))
+            metrics.observe_aborted(sum(params[i].n for i in running),
+                                    [latest[i] for i in running if i in latest])
         # Only waits for the pumps to stop: when this consumer is itself being cancelled
         # (anyio cancels again at every await) they still finish on their own.
         await asyncio.gather(*pumps, return_exceptions=True)
