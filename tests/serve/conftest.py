@@ -94,6 +94,17 @@ def long_context_llama(tiny_llama, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def long_server(long_context_llama) -> Iterator[ServerThread]:
+    """A server of its own (per test module) over the 16k-context model, with KV for two
+    full-length requests."""
+    engine = AsyncEngine.from_kwargs(str(long_context_llama), dtype="float32", device="cpu",
+                                     num_kv_blocks=2 * LONG_CONTEXT // 16)
+    with ServerThread(create_app(engine, served_model_name=MODEL)) as srv:
+        yield srv
+    engine.shutdown()
+
+
 @pytest.fixture(scope="package")
 def server(engine) -> Iterator[ServerThread]:
     with ServerThread(create_app(engine, served_model_name=MODEL)) as srv:

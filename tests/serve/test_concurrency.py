@@ -10,9 +10,8 @@ import openai
 import pytest
 
 from kiln.engine.async_engine import AsyncEngine
-from kiln.serve.app import create_app
 
-from .conftest import LONG_CONTEXT, MODEL, ServerThread, assert_idle, wait_until
+from .conftest import LONG_CONTEXT, MODEL, assert_idle, wait_until
 from .test_metrics import scrape
 
 NUM_CONCURRENT = 200
@@ -50,15 +49,6 @@ async def test_200_concurrent_streams_get_their_token_counts(server, engine):
     assert metrics[("kiln:kv_cache_usage_perc", ())] == 0.0
     assert metrics[("kiln:num_requests_running", ())] == 0
     assert metrics[("kiln:num_requests_waiting", ())] == 0
-
-
-@pytest.fixture(scope="module")
-def long_server(long_context_llama):
-    engine = AsyncEngine.from_kwargs(str(long_context_llama), dtype="float32", device="cpu",
-                                     num_kv_blocks=2 * LONG_CONTEXT // 16)
-    with ServerThread(create_app(engine, served_model_name=MODEL)) as srv:
-        yield srv
-    engine.shutdown()
 
 
 def aborted_count(url: str) -> float:

@@ -7,13 +7,9 @@ import math
 
 import httpx
 import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kiln.engine.async_engine import AsyncEngine
-from kiln.serve.app import create_app
-
-from .conftest import LONG_CONTEXT, MODEL, ServerThread, assert_idle, wait_until
+from .conftest import LONG_CONTEXT, MODEL, assert_idle, wait_until
 from .test_metrics import delta, scrape
 
 LATENCY_LE = ("0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0",
@@ -104,15 +100,6 @@ def test_new_histograms_agree_with_the_requests_and_each_other(server, engine):
     assert math.isclose(decode, d("inter_token_latency_seconds_sum"), rel_tol=1e-9,
                         abs_tol=1e-9)
     assert_idle(engine)
-
-
-@pytest.fixture(scope="module")
-def long_server(long_context_llama):
-    engine = AsyncEngine.from_kwargs(str(long_context_llama), dtype="float32", device="cpu",
-                                     num_kv_blocks=2 * LONG_CONTEXT // 16)
-    with ServerThread(create_app(engine, served_model_name=MODEL)) as srv:
-        yield srv
-    engine.shutdown()
 
 
 def test_an_aborted_request_counts_its_tokens_but_no_request_latency(long_server):
