@@ -168,16 +168,12 @@ def running_usage(body: Any, num_prompt_tokens: int, num_completion_tokens: int
     options = body.stream_options
     if not (options and options.include_usage and options.continuous_usage_stats):
         return {}
-    return {"usage": Usage(prompt_tokens=num_prompt_tokens,
-                           completion_tokens=num_completion_tokens,
-                           total_tokens=num_prompt_tokens + num_completion_tokens).model_dump()}
+    return {"usage": Usage.of(num_prompt_tokens, num_completion_tokens).model_dump()}
 
 
 def usage_of(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:
-    num_prompt = sum(len(p) for p in prompts)
-    num_completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-    return Usage(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                 total_tokens=num_prompt + num_completion)
+    return Usage.of(sum(len(p) for p in prompts),
+                    sum(len(c.token_ids) for o in finals.values() for c in o.outputs))
 
 
 async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],

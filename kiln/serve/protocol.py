@@ -144,6 +144,11 @@ class Usage(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
