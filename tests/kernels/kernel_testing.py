@@ -15,7 +15,16 @@ from kiln.kernels._triton import HAS_TRITON
 
 # bf16 is wrong under the Triton interpreter (fp16 and fp32 are right): see shared/GPU.md
 INTERPRET_DTYPES = [torch.float32, torch.float16]
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+has_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+# The cases not marked @gpu run the kernels under the Triton interpreter on CPU tensors (conftest
+# turns it on where no GPU is visible). Where one is, Triton compiles for it and cannot read CPU
+# tensors, so they are skipped there: the @gpu cases run the kernels on the GPU instead.
+_COMPILED = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON or _COMPILED,
+    reason="triton is not installed" if not HAS_TRITON else
+    "an interpreter case on CPU tensors; with a GPU visible run it as CUDA_VISIBLE_DEVICES= pytest",
+)
 
 
 SM90_COMPILE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
@@ -34,7 +43,7 @@ def sm90_compile_report(*args: str, timeout: int = 300) -> dict:
 def gpu(fn):
     """Mark a test as GPU-only: deselected by `-m 'not gpu'`, skipped cleanly without CUDA."""
     skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-    return pytest.mark.gpu(skip(needs_triton(fn)))
+    return pytest.mark.gpu(skip(has_triton(fn)))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 import pytest
-from kernel_testing import SM90_COMPILE, needs_triton, sm90_compile_report
+from kernel_testing import SM90_COMPILE, has_triton, sm90_compile_report
 
 from kiln.kernels.gemm import PREFETCH_K_STEPS
 
 
-@needs_triton
+@has_triton
 @pytest.mark.parametrize("args, wgmma_per_step", [
     (["gemm", "--block-n", "32", "--stages", "2"], 8),  # 128-deep K steps of 16-deep wgmmas
     (["wint_mma", "--block-n", "64", "--block-m", "64", "--k-step", "64", "--split", "2"], 4),
@@ -25,7 +25,7 @@ def test_sm90_compile_reports_the_k_loop(args, wgmma_per_step, tmp_path):
     assert (tmp_path / f"{args[0]}.sass").read_text().count("HGMMA") >= wgmma_per_step
 
 
-@needs_triton
+@has_triton
 def test_gated_gemm_streams_both_weight_halves_through_tma(tmp_path):
     """Each 64-deep K step of the prefill gate/up GEMM: three TMA loads (x, the gate rows, the up
     rows) and two accumulators' wgmmas, within the register file."""
@@ -36,7 +36,7 @@ def test_gated_gemm_streams_both_weight_halves_through_tma(tmp_path):
     assert report["shared_bytes"] <= 227 * 1024  # an H100 block's shared memory
 
 
-@needs_triton
+@has_triton
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gemm_asks_l2_for_its_first_weights_only_with_pdl(pdl):
     """With PDL each thread of the 64-column GEMM asks L2 for its share of the first K steps'
@@ -48,7 +48,7 @@ def test_gemm_asks_l2_for_its_first_weights_only_with_pdl(pdl):
     assert report["k_loop_l2_prefetches"] == 0
 
 
-@needs_triton
+@has_triton
 def test_sm90_compile_names_an_unknown_unspecialized_argument():
     run = subprocess.run([sys.executable, SM90_COMPILE, "gemm", "--unspecialized", "M,stride_zz"],
                          capture_output=True, text=True, timeout=300)
@@ -56,7 +56,7 @@ def test_sm90_compile_names_an_unknown_unspecialized_argument():
     assert "['stride_zz'] are not integer arguments of _gemm_kernel" in run.stderr
 
 
-@needs_triton
+@has_triton
 @pytest.mark.parametrize("args", [
     ["--bits", "8", "--per-channel", "--k-step", "64", "--block-m", "128", "--warps", "8",
      "--stages", "4", "--out-fp32"],  # the LM head of the int8 preset at 128 rows
