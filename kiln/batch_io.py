@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln.engine.inputs import render_chat
-from kiln.outputs import RequestOutput
+from kiln.outputs import CompletionOutput, RequestOutput
 
 # what a result line writes beside the prompt's own keys, which therefore may not use them
-RESULT_KEYS = ("text", "token_ids", "finish_reason", "stop_reason", "num_prompt_tokens",
-               "first_token_s", "finished_s")
+RESULT_KEYS = ("sample_index", "text", "token_ids", "finish_reason", "stop_reason",
+               "num_prompt_tokens", "first_token_s", "finished_s")
 
 
 @dataclass
@@ -79,10 +79,13 @@ def _parse_jsonl_line(line: str, where: str) -> PromptInput:
     return PromptInput(where, obj)
 
 
-def result_line(item: PromptInput, out: RequestOutput, start: float) -> dict[str, Any]:
-    """A finished request's result, its times in seconds from ``start`` (time.monotonic)."""
-    done, metrics = out.outputs[0], out.metrics
-    return {**item.fields, "text": done.text, "token_ids": done.token_ids,
+def result_line(item: PromptInput, out: RequestOutput, done: CompletionOutput,
+                start: float) -> dict[str, Any]:
+    """One sample (``done``, of ``out``'s) of a finished request, its times in seconds from
+    ``start`` (time.monotonic): the request's, shared by its samples."""
+    metrics = out.metrics
+    return {**item.fields, "sample_index": done.index, "text": done.text,
+            "token_ids": done.token_ids,
             "finish_reason": done.finish_reason, "stop_reason": done.stop_reason,
             "num_prompt_tokens": len(out.prompt_token_ids),
             "first_token_s": round(metrics.first_token_time - start, 6),

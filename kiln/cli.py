@@ -98,6 +98,8 @@ def main(log_level: str) -> None:
               type=click.FloatRange(-2.0, 2.0))
 @click.option("--frequency-penalty", default=0.0, show_default=True,
               type=click.FloatRange(-2.0, 2.0))
+@click.option("--n", default=1, show_default=True, type=click.IntRange(min=1),
+              help="samples per prompt (sampled: give --temperature > 0), each its own result")
 @click.option("--stop", multiple=True,
               help="end the text where this string appears, leaving it out (repeatable)")
 @click.option("--chat", is_flag=True,
@@ -119,8 +121,12 @@ def generate(model: str, prompt: str | None, prompts_file: str | None, output: s
     prompt is checked before any runs: if some cannot run (longer than the context, a chat the
     template rejects), each is named and none runs.
 
+    --n N draws N samples of each prompt (printed once they are all done, even for --prompt):
+    N result lines a prompt, told apart by sample_index (0 to N-1).
+
     --seed also seeds each request's sampling, so a sampled run repeats: prompt i (from 0) of a
-    batch with --seed + i, so that duplicate prompts draw different samples.
+    batch with --seed + i, so that duplicate prompts draw different samples (and the N samples
+    of a prompt each their own stream of that seed).
     """
     from kiln.batch_io import PromptInput
     from kiln.engine.llm_engine import LLMEngine
@@ -136,7 +142,7 @@ def generate(model: str, prompt: str | None, prompts_file: str | None, output: s
         inputs = _read_prompts(prompts_file)
     else:
         inputs = [PromptInput("--prompt", {"prompt": _read_stdin() if prompt == "-" else prompt})]
-    stream = prompts_file is None and output is None
+    stream = prompts_file is None and output is None and sampling["n"] == 1
     try:
         params = SamplingParams(**sampling, seed=engine_kwargs.get("seed"))
         if output not in (None, "-"):  # (now, not once the batch has run)
@@ -243,10 +249,12 @@ def _run_batch(engine: LLMEngine, inputs: list[PromptInput], params: SamplingPar
             progress.advance(task)
     results = [finished[str(i)] for i in range(len(inputs))]
     _emit(inputs, results, chat, output, start)
-    cut = sum(o.outputs[0].finish_reason == "length"
-              and len(o.outputs[0].token_ids) < params.max_tokens for o in results)
+    samples = [done for out in results for done in out.outputs]
+    cut = sum(done.finish_reason == "length" and len(done.token_ids) < params.max_tokens
+              for done in samples)
     if cut:
-        click.echo(f"({cut} of {len(results)} prompts stopped at the model's context of "
+        what = "prompts" if params.n == 1 else "samples"
+        click.echo(f"({cut} of {len(samples)} {what} stopped at the model's context of "
                    f"{engine.max_model_len} tokens before --max-tokens {params.max_tokens})",
                    err=True)
 
@@ -256,15 +264,19 @@ def _emit(inputs: list[PromptInput], results: list[RequestOutput], chat: bool,
     """Print the results in input order, or write them as JSONL to --output (- : stdout)."""
     from kiln.batch_io import result_line, to_jsonl, write_atomically
 
+    pairs = list(zip(inputs, results, strict=True))
     if output is None:
-        for index, (item, out) in enumerate(zip(inputs, results, strict=True)):
-            if index:
-                click.echo()
-            click.echo(f"==> {item.where} <==")
-            click.echo(item.echo_text(chat) + out.outputs[0].text)
+        for index, (item, out) in enumerate(pairs):
+            many = len(out.outputs) > 1
+            for done in out.outputs:
+                if index or done.index:
+                    click.echo()
+                sample = f" [sample {done.index + 1} of {len(out.outputs)}]" if many else ""
+                click.echo(f"==> {item.where}{sample} <==")
+                click.echo(item.echo_text(chat) + done.text)
         return
-    text = to_jsonl([result_line(item, out, start)
-                     for item, out in zip(inputs, results, strict=True)])
+    lines = [result_line(item, out, done, start) for item, out in pairs for done in out.outputs]
+    text = to_jsonl(lines)
     if output == "-":
         click.echo(text, nl=False)
         return
@@ -272,7 +284,7 @@ def _emit(inputs: list[PromptInput], results: list[RequestOutput], chat: bool,
         write_atomically(Path(output), text)
     except OSError as exc:
         raise click.ClickException(f"cannot write --output {output}: {exc}") from None
-    click.echo(f"wrote {len(results)} results to {output}", err=True)
+    click.echo(f"wrote {len(lines)} results to {output}", err=True)
 
 if __name__ == "__main__":
     main()

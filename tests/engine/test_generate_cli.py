@@ -57,7 +57,8 @@ def test_generate_says_when_the_context_stops_it_before_max_tokens(tiny_llama):
 def test_generate_rejects_sampling_values_by_their_flags():
     for flag, value in [("--temperature", "-1"), ("--top-p", "1.5"), ("--top-p", "0"),
                         ("--top-k", "-2"), ("--min-p", "1.5"), ("--repetition-penalty", "0"),
-                        ("--presence-penalty", "3"), ("--frequency-penalty", "-2.5")]:
+                        ("--presence-penalty", "3"), ("--frequency-penalty", "-2.5"),
+                        ("--n", "0")]:
         result = CliRunner().invoke(main, ["generate", "--prompt", "hi", flag, value])
         assert result.exit_code == 2 and f"Invalid value for '{flag}'" in result.output, flag
 
@@ -164,6 +165,39 @@ def test_generate_seeds_each_prompt_of_a_batch_with_seed_plus_its_index(tiny_lla
     assert single.stdout == PROMPTS[0] + texts[0] + "\n"
 
 
+def test_generate_draws_n_samples_of_each_prompt_one_result_line_each(tiny_llama, llm,
+                                                                       tmp_path):
+    """--n 3: three lines a prompt, in input order then sample order, as kiln.LLM draws them
+    with n=3 and the prompt's seed; the samples differ, and share the request's times."""
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("\n".join(PROMPTS[:2]) + "\n")
+    result = generate(tiny_llama, "--prompts-file", str(prompts_file), "--n", "3",
+                      "--temperature", "1.0", "--max-tokens", "8", "--seed", "3", "--output", "-")
+    assert result.exit_code == 0, result.output
+    lines = result_lines(result.stdout)
+    assert [(line["prompt"], line["sample_index"]) for line in lines] == [
+        (prompt, index) for prompt in PROMPTS[:2] for index in range(3)]
+    for seed, prompt in enumerate(PROMPTS[:2], start=3):
+        [want] = llm.generate(prompt, kiln.SamplingParams(n=3, max_tokens=8, temperature=1.0,
+                                                          seed=seed))
+        mine = [line for line in lines if line["prompt"] == prompt]
+        assert [line["token_ids"] for line in mine] == [o.token_ids for o in want.outputs]
+        assert len({line["text"] for line in mine}) == 3
+        assert len({(line["first_token_s"], line["finished_s"]) for line in mine}) == 1
+
+
+def test_generate_prints_the_n_samples_of_one_prompt_under_their_own_headers(tiny_llama, llm):
+    """--prompt with --n 2 prints once both are done (no stream of two interleaved texts)."""
+    result = generate(tiny_llama, "--prompt", PROMPTS[0], "--n", "2", "--temperature", "1.0",
+                      "--max-tokens", "6", "--seed", "0")
+    assert result.exit_code == 0, result.output
+    [want] = llm.generate(PROMPTS[0], kiln.SamplingParams(n=2, max_tokens=6, temperature=1.0,
+                                                          seed=0))
+    assert result.stdout == "\n".join(
+        f"==> --prompt [sample {o.index + 1} of 2] <==\n{PROMPTS[0]}{o.text}\n"
+        for o in want.outputs)
+
+
 def test_generate_stops_at_each_stop_string(tiny_llama, llm):
     greedy = llm.generate(PROMPTS[0], kiln.SamplingParams(max_tokens=12, temperature=0.0))
     text = greedy[0].outputs[0].text
@@ -238,4 +272,8 @@ def test_generate_batch_says_how_many_prompts_the_context_stopped(tiny_llama, tm
     assert all(line["finish_reason"] == "length" for line in result_lines(result.stdout))
     assert ("3 of 3 prompts stopped at the model's context of 16 tokens before --max-tokens 40"
             in result.stderr)
+    samples = generate(tiny_llama, "--prompts-file", str(prompts_file), "--max-tokens", "40",
+                       "--max-model-len", "16", "--n", "2", "--output", "-")
+    assert samples.exit_code == 0, samples.output
+    assert "6 of 6 samples stopped at the model's context of 16 tokens" in samples.stderr
 
