@@ -81,6 +81,13 @@ class KVCache:
         per_block = KVCache.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
         return max(0, int(budget_bytes) // per_block)
 
+    def zero_block(self, block_id: int) -> None:
+        """Zero one block in every layer: what freed block-table entries name (the null block,
+        kiln/cache/window.py), so that even a read of it would add finite keys and values, which
+        the window masks to nothing, where uninitialized memory could hold NaN. Through the
+        integer view, as block moves are: all-zero bits are 0.0 in every cache dtype."""
+        self._kv_bits[:, :, block_id].zero_()
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: block dst <- block src in every layer, for each (src, dst) pair."""
         if not pairs:

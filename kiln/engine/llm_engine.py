@@ -14,6 +14,7 @@ from typing import Any
 
 from kiln.cache.kv_cache import KVCache
 from kiln.cache.kv_cache_manager import KVCacheManager
+from kiln.cache.window import max_blocks_held
 from kiln.config import EngineConfig
 from kiln.engine.gc_heap import finite_loop_heap
 from kiln.engine.inputs import PromptLike, check_prompt_length, tokenize_prompt
@@ -22,7 +23,12 @@ from kiln.engine.overlap import InFlightStep, chain_step, chainable, warm_up
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.sequence import apply_sampler_output, prompt_logprobs_to_dicts
-from kiln.engine.sizing import attention_backend_for, num_kv_blocks_for, resolve_max_model_len
+from kiln.engine.sizing import (
+    attention_backend_for,
+    num_kv_blocks_for,
+    resolve_max_model_len,
+    window_lookback,
+)
 from kiln.engine.stats import EngineStats
 from kiln.kernels.kv_cache import kv_cache_torch_dtype
 from kiln.models.loader import LoadedModel, load_model
@@ -51,14 +57,17 @@ class LLMEngine:
                                              arch.head_dim)
         cc = config.cache
         start = time.perf_counter()
+        lookback = window_lookback(arch.layer_windows, self.backend)
         num_blocks, num_cpu_blocks = num_kv_blocks_for(config, self.loaded, self.max_model_len,
-                                                       self.backend)
+                                                       self.backend, lookback)
         self.kv_cache = KVCache(arch.num_layers, num_blocks, cc.block_size,
                                 self.loaded.model.num_kv_heads, arch.head_dim,
                                 kv_cache_torch_dtype(cc.kv_cache_dtype, self.loaded.dtype),
                                 self.loaded.device, num_cpu_blocks=num_cpu_blocks)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                 num_cpu_blocks=num_cpu_blocks)
+                                 num_cpu_blocks=num_cpu_blocks, lookback=lookback)
+        if self.kv.null_block is not None:
+            self.kv_cache.zero_block(self.kv.null_block)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.loaded, self.kv_cache, self.kv, self.backend, mc.seed)
         self.requests: dict[str, Request] = {}
@@ -78,6 +87,9 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%d tokens), %d CPU swap blocks; attention "
                  "backend %s; max_model_len %d", num_blocks, cc.block_size,
                  num_blocks * cc.block_size, num_cpu_blocks, self.backend, self.max_model_len)
+        if lookback is not None:
+            log.info("every layer slides: blocks more than %d keys behind a sequence's next query "
+                     "are freed", lookback)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> LLMEngine:
@@ -126,11 +138,12 @@ class LLMEngine:
         # the n samples are scheduled together: if they can never hold their blocks at once the
         # request would be preempted and requeued forever, stalling everything behind it
         longest = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))
-        needed = params.n * self.kv.num_blocks_needed(longest)
-        if needed > self.kv_cache.num_blocks:
+        needed = params.n * max_blocks_held(longest, self.config.scheduler.max_num_batched_tokens,
+                                            self.kv.block_size, self.kv.lookback)
+        if needed > self.kv.num_usable_blocks:
             raise ValueError(f"SamplingParams.n={params.n} samples of up to {longest} tokens "
                              f"need {needed} KV "
-                             f"blocks but the cache holds {self.kv_cache.num_blocks}; lower n or "
+                             f"blocks but the cache holds {self.kv.num_usable_blocks}; lower n or "
                              f"max_tokens")
         return Request(request_id, parsed.token_ids, params, self.loaded.eos_token_ids,
                        self.max_model_len, self.tokenizer, self.loaded.device,

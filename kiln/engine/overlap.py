@@ -14,7 +14,9 @@ What only step N's tokens on the host can tell is handled one step late:
 - a sequence that stopped at step N (EOS, a stop id or string, an abort) computed one more
   token in step N+1; its row is dropped when step N+1 is applied. The KV it wrote lands in a
   block freed meanwhile, which is safe because the GPU runs steps in order: a later owner of
-  that block writes it afterwards.
+  that block writes it afterwards. The same order covers the blocks step N+1's allocation gives
+  back out of every sliding window (kiln/cache/window.py) while step N, still running, may read
+  them.
 - a sequence whose length limit step N reaches is known on the host and left out of step N+1.
 
 Waiting requests are admitted into step N+1 with the budget the continuations leave, as the

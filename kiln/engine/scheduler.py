@@ -5,7 +5,9 @@ Every step has a token budget (``max_num_batched_tokens``) and a sequence cap
 chunk of what is left), then swapped requests come back, then waiting requests are admitted in
 arrival order with as much of their prompt as the budget allows. When KV blocks run out, the most
 recently arrived running request is preempted whole: by recompute (its blocks are freed; its
-prompt and outputs are prefilled again later) or by swap (its blocks move to CPU memory).
+prompt and outputs are prefilled again later) or by swap (its blocks move to CPU memory). When
+every layer slides, each allocation first gives back the sequence's blocks out of every window
+(kiln/cache/window.py), and those count as free.
 
 A swapped request comes back only with a block left free for each running sequence
 (``can_swap_in_next``): swapped into the last free blocks it would be, as the newest arrival,

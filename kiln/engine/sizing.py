@@ -1,4 +1,5 @@
-"""Start-up decisions: context length, attention backend, and how many KV blocks fit."""
+"""Start-up decisions: context length, attention backend, how far back attention reads, and how
+many KV blocks fit."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import warnings
 import torch
 
 from kiln.cache.kv_cache import KVCache
+from kiln.cache.window import max_blocks_held
 from kiln.config import EngineConfig
+from kiln.kernels.attention import MAX_KEY_TILE
 from kiln.kernels.kv_cache import kv_cache_torch_dtype
 from kiln.layers.attention import contiguous_kv_caches, contiguous_metadata
 from kiln.models.arch import ArchConfig
@@ -52,6 +55,18 @@ def attention_backend_for(requested: str, device: torch.device, head_dim: int) -
     return "triton"
 
 
+def window_lookback(layer_windows: tuple[int | None, ...], backend: str) -> int | None:
+    """The most keys before a query's position that attention may load when every layer slides
+    (kiln/cache/window.py): the widest window's window - 1 that the query sees, and with the
+    Triton kernels up to MAX_KEY_TILE - 1 more, as their first tile starts at a multiple of its
+    width (the torch reference gathers from the page of the first key seen). None when a layer
+    attends to the whole context: then no block is ever out of reach."""
+    if not layer_windows or None in layer_windows:
+        return None
+    tile = MAX_KEY_TILE if backend == "triton" else 1
+    return max(layer_windows) - 1 + tile - 1
+
+
 def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: int,
                            backend: str, block_size: int, kv_dtype: torch.dtype,
                            logit_rows: int) -> int:
@@ -86,8 +101,9 @@ def _peak_activation_bytes(loaded: LoadedModel, num_tokens: int, max_model_len: 
 
 
 def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, max_model_len: int,
-                      backend: str) -> tuple[int, int]:
-    """(GPU-or-CPU pool blocks, CPU swap blocks), failing clearly if one request cannot fit."""
+                      backend: str, lookback: int | None) -> tuple[int, int]:
+    """(GPU-or-CPU pool blocks, CPU swap blocks), failing clearly if one request cannot fit (with
+    a ``lookback``, in the blocks it holds at once, besides the null block)."""
     cc, arch = config.cache, loaded.arch
     kv_dtype = kv_cache_torch_dtype(cc.kv_cache_dtype, loaded.dtype)
     per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, loaded.model.num_kv_heads,
@@ -106,7 +122,10 @@ def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, max_model_len: 
     else:
         knob = "cpu_kv_cache_space"
         num_blocks = int(cc.cpu_kv_cache_space * GB // per_block)
-    needed = -(-max_model_len // cc.block_size)
+    needed = max_blocks_held(max_model_len, config.scheduler.max_num_batched_tokens,
+                             cc.block_size, lookback)
+    if lookback is not None:
+        needed += 1  # the null block
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * cc.block_size} tokens) but one "

@@ -25,11 +25,32 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels._triton import use_triton
-from kiln.kernels.attention_decode import paged_attention_decode_triton
+from kiln.kernels.attention_decode import (
+    DECODE_CONFIG,
+    LARGE_BATCH_CONFIG,
+    SMALL_BATCH_CONFIG,
+    TINY_BATCH_CONFIG,
+    paged_attention_decode_triton,
+)
 from kiln.kernels.attention_prefill import (
+    FLOAT32_CONFIG,
     HEAD_DIMS,
+    NEW_KV_CONFIGS,
+    PAGED_CONFIGS,
+    SHORT_CONFIG,
     attention_output,
     paged_attention_prefill_triton,
+)
+
+# The widest key tile (BLOCK_N) of any launch config the kernels pick. A windowed query at p loads
+# whole tiles from the one holding its first visible key p - window + 1, so it may load keys down
+# to MAX_KEY_TILE - 1 before that one (masked, but a NaN there still reaches the output): the
+# engine keeps the KV blocks that hold them (kiln/engine/sizing.py, window_lookback).
+MAX_KEY_TILE = max(
+    *(config[1] for config in (*PAGED_CONFIGS.values(), *NEW_KV_CONFIGS.values(), SHORT_CONFIG,
+                               FLOAT32_CONFIG)),
+    *(config[0] for config in (DECODE_CONFIG, LARGE_BATCH_CONFIG, SMALL_BATCH_CONFIG,
+                               TINY_BATCH_CONFIG)),
 )
 
 _warned_head_dims: set[int] = set()

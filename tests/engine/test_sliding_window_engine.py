@@ -22,6 +22,10 @@ CASES = {
                             num_hidden_layers=3)),
 }
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=5)
+# KV pools (blocks) small enough for the preemption tests to preempt: every Mistral layer slides,
+# so its sequences give back the blocks out of the window (kiln/cache/window.py) and hold fewer
+PREEMPTING_POOL = {"mistral": 16, "qwen2": 32}
+SWAPPING_FP8_POOL = {"mistral": 9, "qwen2": 24}
 
 
 @pytest.fixture(scope="module")
@@ -62,24 +66,24 @@ def kiln_prompt_logprobs(out) -> torch.Tensor:
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_past_the_window_matches_transformers(name, mode, sliding_dirs, hf_refs):
-    """Four requests of 3-5 windows, one of them n = 2, in 32 blocks of 4 tokens with 16-token
-    steps: they preempt each other mid-decode (recomputed or swapped back in past the window)
-    and still decode transformers' greedy tokens."""
-    llm = make_llm(sliding_dirs[name], num_kv_blocks=32, max_model_len=128,
+    """Eight requests of 3-5 windows, two of them n = 2, in 16 or 32 blocks of 4 tokens with
+    16-token steps: they preempt each other mid-decode (recomputed or swapped back in past the
+    window) and still decode transformers' greedy tokens."""
+    llm = make_llm(sliding_dirs[name], num_kv_blocks=PREEMPTING_POOL[name], max_model_len=128,
                    max_num_batched_tokens=16, preemption_mode=mode, swap_space=0.01)
     window = window_of(llm)
-    prompts = random_prompts([3 * window, 4 * window + 1, 5 * window - 2, 3 * window + 3],
+    prompts = random_prompts([3 * window, 4 * window + 1, 5 * window - 2, 3 * window + 3] * 2,
                              llm.engine.loaded.arch.vocab_size, seed=1)
-    params = [kiln.SamplingParams(max_tokens=20, **GREEDY)] * 3
-    params.append(kiln.SamplingParams(n=2, max_tokens=20, **GREEDY))
+    params = ([kiln.SamplingParams(max_tokens=20, **GREEDY)] * 3
+              + [kiln.SamplingParams(n=2, max_tokens=20, **GREEDY)]) * 2
     outputs = llm.generate(prompts, params)
     sched = llm.engine.scheduler
     assert sched.num_preemptions > 0
     if mode == "swap":
         assert sched.num_swap_outs > 0
     assert_greedy_matches(hf_refs[name], prompts, outputs, 20, f"{name} {mode}")
-    forked = outputs[-1].outputs
-    assert len(forked) == 2 and forked[0].token_ids == forked[1].token_ids
+    for forked in (outputs[3].outputs, outputs[-1].outputs):
+        assert len(forked) == 2 and forked[0].token_ids == forked[1].token_ids
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -179,8 +183,9 @@ def test_fp8_kv_cache_windows_like_full_precision(name, sliding_dirs):
 
     params = [kiln.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 2
     roomy = fp8.generate(prompts, params)
-    tight = make_llm(path, num_kv_blocks=24, max_model_len=96, max_num_batched_tokens=16,
-                     kv_cache_dtype="fp8", preemption_mode="swap", swap_space=0.01)
+    tight = make_llm(path, num_kv_blocks=SWAPPING_FP8_POOL[name], max_model_len=96,
+                     max_num_batched_tokens=16, kv_cache_dtype="fp8", preemption_mode="swap",
+                     swap_space=0.01)
     swapped = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_swap_outs > 0
     assert [o.outputs[0].token_ids for o in swapped] == [o.outputs[0].token_ids for o in roomy]
