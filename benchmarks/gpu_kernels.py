@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/gpu_kernels.py --out $OUT/kernels.json
     PYTHONPATH=. python3 benchmarks/gpu_kernels.py --decode-sweep --out $OUT/decode_sweep.json
+    PYTHONPATH=. python3 benchmarks/gpu_kernels.py --window-sweep --out $OUT/window_sweep.json
 
 Each kernel's Triton path is compared with its PyTorch reference on fresh random inputs, then
 timed with triton.testing.do_bench (median, ms) at the target shapes; the rate is set against the
@@ -12,6 +13,8 @@ tile configurations, and torch SDPA (flash, cuDNN) on the same problem for compa
 max_seqlen_k = 4096 sees: the launch policy before partitions followed the real length ("old"),
 decode_launch_config ("new") and alternative tiles / split counts / partition floors, each timed
 inside a CUDA graph over enough copies of the problem that its K/V come from DRAM, not L2.
+--window-sweep does the same for sliding-window layers (GB/s of the window's K/V) under a decode
+graph of max_seqlen_k 32768, the policy given the window as the launcher gives it.
 """
 
 from __future__ import annotations
@@ -352,6 +355,10 @@ SWEEP_BATCHES = (1, 8, 64)
 SWEEP_CONTEXTS = (128, 256, 512, 1024)
 SWEEP_MAX_SEQLEN_K = 4096
 SWEEP_GUARDS = ((64, 1024), (8, 16384))
+# --window-sweep: sliding-window layers (batch, context, window) under a Mistral-length decode
+# graph; the eager suite rows of batch 1-8 are host-bound (results/h100/gpu_check_ced70c2.txt)
+WINDOW_SWEEP = ((1, 16384, 4096), (8, 16384, 4096), (8, 8192, 1024), (64, 8192, 4096))
+WINDOW_SWEEP_MAX_SEQLEN_K = 32768
 # (BLOCK_N, num_warps, num_stages, times the policy's split count, min partition in tiles)
 DECODE_ALTERNATIVES = [
     (128, 4, 2, 1, 1), (64, 4, 2, 1, 1), (32, 4, 2, 1, 1), (64, 2, 2, 1, 1), (64, 8, 2, 1, 1),
@@ -386,12 +393,13 @@ def launch_label(kw: dict) -> str:
     return f"{block_n}/{num_warps}w{num_stages}s x{kw['num_splits']} p{kw['min_partition_len']}"
 
 
-def decode_settings(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sms: int) -> dict:
+def decode_settings(num_seqs: int, num_kv_heads: int, max_keys: int, sms: int) -> dict:
     """Name -> paged_attention_decode_triton kwargs: old, new (decode_launch_config, one-tile
-    partitions) and the alternatives that differ from both."""
-    policy = decode_launch_config(num_seqs, num_kv_heads, max_seqlen_k, sms)
+    partitions) and the alternatives that differ from both. ``max_keys``: what the launcher
+    passes the policy, max_seqlen_k or a sliding window's width if smaller."""
+    policy = decode_launch_config(num_seqs, num_kv_heads, max_keys, sms)
     settings = {
-        "old": old_decode_launch(num_seqs, num_kv_heads, max_seqlen_k, sms),
+        "old": old_decode_launch(num_seqs, num_kv_heads, max_keys, sms),
         "new": {"config": tuple(policy[:3]), "num_splits": policy.num_splits,
                 "min_partition_len": policy.block_n},
     }  # fmt: skip
@@ -432,10 +440,12 @@ def graph_us(calls: list) -> float:
 
 def bench_decode_sweep(
     batch: int, ctx: int, max_seqlen_k: int, num_heads: int = 32, num_kv_heads: int = 8,
-    head_dim: int = 128, page: int = 16,
+    head_dim: int = 128, page: int = 16, window: int | None = None,
 ) -> None:  # fmt: skip
-    """Decode at a real context `ctx` under `max_seqlen_k`, every setting of decode_settings."""
-    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * DTYPE.itemsize  # one call's K and V
+    """Decode at a real context `ctx` under `max_seqlen_k`, every setting of decode_settings;
+    with a `window`, a sliding-window layer's, counting the window's K/V."""
+    keys = ctx if window is None else min(ctx, window)
+    kv_bytes = 2 * batch * keys * num_kv_heads * head_dim * DTYPE.itemsize  # one call's K and V
     copies = 1
     if not SMOKE:
         l2_bytes = torch.cuda.get_device_properties(DEVICE).L2_cache_size
@@ -454,8 +464,10 @@ def bench_decode_sweep(
          block_tables[i * batch : (i + 1) * batch], 1, max_seqlen_k)
         for i in range(copies)
     ]  # fmt: skip
-    ref = paged_attention_ref(*problems[0], scale)
-    for name, kw in decode_settings(batch, num_kv_heads, max_seqlen_k, num_sms(q.device)).items():
+    ref = paged_attention_ref(*problems[0], scale, window=window)
+    max_keys = max_seqlen_k if window is None else min(max_seqlen_k, window)
+    for name, kw in decode_settings(batch, num_kv_heads, max_keys, num_sms(q.device)).items():
+        kw = {**kw, "window": window}
         try:
             err = rel_err(paged_attention_decode_triton(*problems[0], scale, **kw), ref)
             us = graph_us([
@@ -474,20 +486,20 @@ def bench_decode_sweep(
 
 def print_decode_sweep() -> None:
     """One line per case: old and new policy, and the fastest setting whose error is in bounds."""
-    cases: dict[tuple[int, int, int], list[dict]] = {}
+    cases: dict[tuple[int, int, int, int | None], list[dict]] = {}
     for r in sweeps:
-        cases.setdefault((r["batch"], r["ctx"], r["max_seqlen_k"]), []).append(r)
+        cases.setdefault((r["batch"], r["ctx"], r["max_seqlen_k"], r["window"]), []).append(r)
     print("decode attention, us per call in a CUDA graph (K/V from DRAM); launch = "
           "BLOCK_N/num_warps num_stages x num_splits p min partition len")  # fmt: skip
-    print(f"{'batch':>5}{'ctx':>7}{'max_k':>7}{'old us':>9}{'new us':>9}{'new/old':>9}"
+    print(f"{'batch':>5}{'ctx':>7}{'max_k':>7}{'window':>7}{'old us':>9}{'new us':>9}{'new/old':>9}"
           f"  {'new launch':<22}{'best us':>9}  {'best':<22}all ok")  # fmt: skip
     nan = {"us": float("nan"), "launch": "-", "setting": "-"}  # a setting that failed to run
-    for (batch, ctx, max_k), rows in cases.items():
+    for (batch, ctx, max_k, window), rows in cases.items():
         by_name = {r["setting"]: r for r in rows}
         old, new = by_name.get("old", nan), by_name.get("new", nan)
         good = [r for r in rows if r["ok"]]
         best = min(good, key=lambda r: r["us"]) if good else nan
-        print(f"{batch:>5}{ctx:>7}{max_k:>7}{old['us']:9.1f}{new['us']:9.1f}"
+        print(f"{batch:>5}{ctx:>7}{max_k:>7}{window or '-':>7}{old['us']:9.1f}{new['us']:9.1f}"
               f"{new['us'] / old['us']:9.2f}  {new['launch']:<22}{best['us']:9.1f}  "
               f"{best['setting']:<22}{len(good) == len(rows)}")  # fmt: skip
 
@@ -501,6 +513,10 @@ def main() -> None:
         action="store_true",
         help="only decode attention: launch policies at short contexts, in graphs",
     )
+    parser.add_argument(
+        "--window-sweep", action="store_true",
+        help="only sliding-window decode attention, every launch setting, in graphs",
+    )  # fmt: skip
     parser.add_argument(
         "--sweep-cases", default=None,
         help="the decode sweep's cases as BATCH:CONTEXT,... (max_seqlen_k 4096); default: all",
@@ -545,6 +561,13 @@ def main() -> None:
             cases, shape = [(1, 17, 1024), (2, 100, 1024), (8, 40, 40)], {"num_heads": 4,
                             "num_kv_heads": 1, "head_dim": 64}  # fmt: skip
         steps = [lambda c=c: bench_decode_sweep(*c, **shape) for c in cases]
+    if opts.window_sweep:
+        cases = [(b, ctx, WINDOW_SWEEP_MAX_SEQLEN_K, w) for b, ctx, w in WINDOW_SWEEP]
+        shape = {}
+        if SMOKE:
+            cases, shape = [(1, 100, 1024, 40), (8, 70, 1024, 16)], {"num_heads": 4,
+                            "num_kv_heads": 1, "head_dim": 64}  # fmt: skip
+        steps = [lambda c=c: bench_decode_sweep(*c[:3], window=c[3], **shape) for c in cases]
     errors = []
     for step in steps:
         try:
@@ -567,7 +590,7 @@ def main() -> None:
     with open(opts.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\n{report['device']}  torch {report['torch']}  triton {report['triton']}")
-    if opts.decode_sweep:
+    if opts.decode_sweep or opts.window_sweep:
         print_decode_sweep()
     else:
         print_results()
