@@ -2,7 +2,8 @@
 
 from kiln.llm import LLM
 from kiln.outputs import CompletionOutput, RequestOutput
-from kiln.sampling.params import SamplingParams
+from kiln.sampling.params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]

@@ -24,7 +24,7 @@ from kiln.engine.inputs import PromptLike
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.request import Request
 from kiln.outputs import RequestOutput
-from kiln.sampling.params import SamplingParams
+from kiln.sampling.params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("kiln.engine")
 IDLE_WAIT_S = 0.5
@@ -99,6 +99,12 @@ class AsyncEngine:
                 yield output
         finally:
             await outputs.aclose()  # leaving early aborts the request
+
+    async def compile_grammar(self, structured: StructuredOutputsParams) -> None:
+        """Compile ``structured``'s grammar into the engine's cache on a worker thread, where
+        ``submit`` then finds it: compiling a large JSON schema on the event loop would hold up
+        every other request. ValueError, as ``submit`` raises it, when it does not compile."""
+        await asyncio.to_thread(self.engine.compile_grammar, structured)
 
     def submit(self, prompt: PromptLike, params: SamplingParams,
                request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:

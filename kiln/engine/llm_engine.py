@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.cache.kv_cache import KVCache
 from kiln.cache.kv_cache_manager import KVCacheManager
@@ -33,7 +33,11 @@ from kiln.engine.stats import EngineStats
 from kiln.kernels.kv_cache import kv_cache_torch_dtype
 from kiln.models.loader import LoadedModel, load_model
 from kiln.outputs import RequestOutput
-from kiln.sampling.params import SamplingParams
+from kiln.sampling.grammar import GrammarCache
+from kiln.sampling.params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
 
 log = logging.getLogger("kiln.engine")
 
@@ -70,6 +74,8 @@ class LLMEngine:
             self.kv_cache.zero_block(self.kv.null_block)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.loaded, self.kv_cache, self.kv, self.backend, mc.seed)
+        self.grammars = GrammarCache(self.loaded.tokenizer, arch.vocab_size,
+                                     self.loaded.eos_token_ids, self.loaded.device)
         self.requests: dict[str, Request] = {}
         self.num_scheduled_last_step = 0
         self._in_flight: InFlightStep | None = None
@@ -145,9 +151,21 @@ class LLMEngine:
                              f"need {needed} KV "
                              f"blocks but the cache holds {self.kv.num_usable_blocks}; lower n or "
                              f"max_tokens")
+        grammar = (self.compile_grammar(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         return Request(request_id, parsed.token_ids, params, self.loaded.eos_token_ids,
                        self.max_model_len, self.tokenizer, self.loaded.device,
-                       prompt=parsed.text, arrival_time=arrival_time, stream=stream)
+                       prompt=parsed.text, arrival_time=arrival_time, stream=stream,
+                       grammar=grammar)
+
+    def compile_grammar(self, structured: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """xgrammar's compiled grammar of ``structured``, from the engine's cache or compiled
+        now (synchronously, on the caller's thread; safe from any); ValueError saying why it
+        does not compile."""
+        try:
+            return self.grammars.compile(structured)
+        except ValueError as exc:
+            raise ValueError(f"SamplingParams.structured_outputs: {exc}") from None
 
     def enqueue(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -239,7 +239,7 @@ class ModelRunner:
         meta = SamplingMetadata.build(
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
-            self.device, self.loaded.eos_token_ids)
+            self.device, self.loaded.eos_token_ids, [s.grammar for s in seqs])
         sampled = self.sampler.sample(logits, meta)
         return StepResult(seqs, requests, sampled.token_ids, sampled.logprobs, prompt_lps)
 
@@ -272,4 +272,5 @@ def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits first: the token is a plain argmax."""
     return (params.greedy and params.logprobs is None and not params.has_penalties
             and params.min_tokens == 0 and not params.logit_bias
-            and params.allowed_token_ids is None and not params.bad_words_token_ids)
+            and params.allowed_token_ids is None and not params.bad_words_token_ids
+            and params.structured_outputs is None)

@@ -28,8 +28,10 @@ made room for waits a step.
 
 Everything else takes the synchronous path: a waiting request the chain cannot start (see
 ``_admissible``), a swapped request with room to come back, penalties and min_tokens (the
-sampler reads the outputs on the host), bad words of more than one token (likewise), logprobs
-and prompt logprobs, the fork of n > 1 samples, and KV blocks running out (preemption).
+sampler reads the outputs on the host), bad words of more than one token (likewise), structured
+outputs (each step's grammar mask comes from the matcher the last token advanced, on the host),
+logprobs and prompt logprobs, the fork of n > 1 samples, and KV blocks running out
+(preemption).
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def _chains(seq: Sequence, request: Request) -> bool:
     params = seq.params
     return (request.forked and request.prompt_logprobs is None and not params.has_penalties
             and len(seq.output_token_ids) >= params.min_tokens
-            and all(len(word) == 1 for word in params.bad_words_token_ids))
+            and all(len(word) == 1 for word in params.bad_words_token_ids)
+            and params.structured_outputs is None)
 
 
 def _admissible(request: Request) -> bool:

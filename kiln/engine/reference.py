@@ -21,6 +21,9 @@ from kiln.sampling.sampler import Sampler, SamplingMetadata, compute_prompt_logp
 def reference_generate(loaded: LoadedModel, prompts: list[list[int]],
                        params: list[SamplingParams], max_model_len: int,
                        attention_backend: str = "torch") -> list[RequestOutput]:
+    if any(p.structured_outputs is not None for p in params):
+        raise ValueError("reference_generate does not implement structured_outputs; generate "
+                         "them with the paged engine")
     model, device = loaded.model, loaded.device
     params = [p.with_bad_words_tokenized(loaded.tokenizer) for p in params]  # as the engine
     seqs: list[Sequence] = []

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.sequence import Sequence
 from kiln.outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from kiln.sampling.grammar import GrammarState
 from kiln.sampling.params import SamplingParams
 from kiln.sampling.sampler import generator_for
+
+if TYPE_CHECKING:
+    import xgrammar
 
 
 class RequestStatus(enum.Enum):
@@ -24,13 +28,15 @@ class Request:
 
     Until the prompt is prefilled only ``seqs[0]`` runs; its last prompt position is then sampled
     once per sample and the other sequences fork its KV blocks (shared, copy-on-write). After
-    the fork every unfinished sequence runs on its own.
+    the fork every unfinished sequence runs on its own. ``grammar`` (xgrammar's compiled
+    grammar of ``params.structured_outputs``) gives each sample a matcher of its own.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_model_len: int, tokenizer: Any,
                  device: Any, prompt: str | None = None, arrival_time: float | None = None,
-                 stream: bool = True) -> None:
+                 stream: bool = True,
+                 grammar: xgrammar.CompiledGrammar | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -41,7 +47,8 @@ class Request:
         self.seqs = [
             Sequence(f"{request_id}#{i}", i, prompt_token_ids, params, eos_token_ids,
                      max_model_len, tokenizer,
-                     generator_for(params.seed, i, device) if params.seed is not None else None)
+                     generator_for(params.seed, i, device) if params.seed is not None else None,
+                     GrammarState(grammar) if grammar is not None else None)
             for i in range(params.n)
         ]
         self.forked = params.n == 1

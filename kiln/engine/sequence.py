@@ -6,20 +6,25 @@ report logprobs the same way.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from kiln.outputs import CompletionOutput, TokenLogprobs
 from kiln.sampling.detokenizer import IncrementalDetokenizer
+from kiln.sampling.grammar import GrammarState
 from kiln.sampling.params import SamplingParams
 from kiln.sampling.stop import StopChecker
+
+log = logging.getLogger("kiln.engine")
 
 
 class Sequence:
     def __init__(self, seq_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 tokenizer: Any = None, generator: torch.Generator | None = None) -> None:
+                 tokenizer: Any = None, generator: torch.Generator | None = None,
+                 grammar: GrammarState | None = None) -> None:
         self.seq_id = seq_id
         self.index = index
         self.prompt_token_ids = prompt_token_ids
@@ -27,6 +32,7 @@ class Sequence:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.generator = generator
+        self.grammar = grammar  # structured outputs: where the output is in its grammar
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (paged engine only)
         self.text = ""
@@ -62,6 +68,8 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float | None = None,
                      top_logprobs: TokenLogprobs | None = None) -> str:
         """Record a sampled token; returns the text it adds (may be empty while held back)."""
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            return self._leave_grammar(token_id)
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.cumulative_logprob += logprob
@@ -72,7 +80,9 @@ class Sequence:
             self.logprobs.append(entry)
         params = self.params
         may_end = len(self.output_token_ids) >= params.min_tokens
-        eos = may_end and not params.ignore_eos and token_id in self.eos_token_ids
+        # a grammar ends on an EOS it allowed, and the output with it (as vLLM), ignore_eos or not
+        eos = ((self.grammar is not None and self.grammar.terminated)
+               or (may_end and not params.ignore_eos and token_id in self.eos_token_ids))
         if eos or (may_end and token_id in params.stop_token_ids):
             stop_reason = None if eos else token_id  # as vLLM: EOS first, else the id
             delta = ""
@@ -85,6 +95,16 @@ class Sequence:
             return self._finish_flushed("stop", stop_reason, delta)
         delta = self.detokenizer.add([token_id]) if self.detokenizer is not None else ""
         return self._check_stop(delta)
+
+    def _leave_grammar(self, token_id: int) -> str:
+        """End the output before a token its grammar refuses. The sampler masks the logits with
+        the grammar, so it picks such a token only when its other bans leave no token the
+        grammar allows (min_tokens banning the EOS that ends a complete grammar,
+        allowed_token_ids or bad words excluding all it allows): every logit is then -inf."""
+        log.warning("sequence %s: sampled token %d is outside its structured-output grammar "
+                    "(min_tokens, allowed_token_ids or bad_words left it no token); its output "
+                    "ends here", self.seq_id, token_id)
+        return self._finish_flushed("abort", None)
 
     def _feed_stop_strings(self, delta: str) -> tuple[str, bool]:
         """Pass new text through the stop strings: what may be shown now, and whether one of

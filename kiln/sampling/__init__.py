@@ -1,7 +1,13 @@
-"""Sampling: per-request parameters, the batched sampler, and streaming text output."""
+"""Sampling: per-request parameters, the batched sampler, structured outputs' grammars, and
+streaming text output."""
 
 from kiln.sampling.detokenizer import IncrementalDetokenizer
-from kiln.sampling.params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+from kiln.sampling.params import (
+    MAX_LOGPROBS,
+    SAMPLING_EPS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from kiln.sampling.sampler import (
     LogprobsTensors,
     Sampler,
@@ -23,6 +29,7 @@ __all__ = [
     "SamplingMetadata",
     "SamplingParams",
     "StopChecker",
+    "StructuredOutputsParams",
     "compute_prompt_logprobs",
     "gather_logprobs",
     "generator_for",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -16,8 +17,8 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
-def _fail(field: str, value: object, valid: str) -> None:
-    raise ValueError(f"SamplingParams.{field} must be {valid}, got {value!r}")
+def _fail(field: str, value: object, valid: str, owner: str = "SamplingParams") -> None:
+    raise ValueError(f"{owner}.{field} must be {valid}, got {value!r}")
 
 
 def _check_int(field: str, value: object, valid: str, ok) -> None:
@@ -42,6 +43,78 @@ def _is_token_id(value: object) -> bool:
 
 def _is_token_id_list(value: object) -> bool:
     return isinstance(value, list | tuple) and len(value) > 0 and all(map(_is_token_id, value))
+
+
+# the constraints of StructuredOutputsParams, one of which a request sets
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED = "StructuredOutputsParams"
+
+
+def _is_text(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _json_schema(value: object) -> dict[str, Any]:
+    """A schema given as a dict or as its JSON text, as a dict."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        _fail("json", value, "a JSON schema: an object, or its JSON text", _STRUCTURED)
+    try:
+        json.dumps(value, allow_nan=False)  # compiled from its JSON text
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"StructuredOutputsParams.json is not JSON data: {exc}") from None
+    return value
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM v1's structured outputs: the output follows exactly one of a JSON schema (`json`, a
+    dict or its JSON text), a regular expression, one of `choice`'s strings, an EBNF grammar
+    (xgrammar's dialect, whose start rule is `root`), or any JSON object (`json_object=True`).
+    `disable_any_whitespace` leaves no whitespace between JSON tokens (vLLM's option): a
+    schema otherwise allows any, which a weak model may fill its tokens with.
+
+    A schema given as text is parsed once here (`json` then holds the dict); whether the
+    schema, regex or grammar compiles is checked when the engine takes the request."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"StructuredOutputsParams takes exactly one of "
+                             f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+                             f"{', '.join(kinds) if kinds else 'none'}")
+        if self.json is not None:
+            self.json = _json_schema(self.json)
+        # (xgrammar's native regex parser reads a NUL as the pattern's end, as vLLM notes)
+        if self.regex is not None and (not _is_text(self.regex) or "\x00" in self.regex):
+            _fail("regex", self.regex, "a non-empty string without NUL characters", _STRUCTURED)
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice or not all(
+                    map(_is_text, self.choice)):
+                _fail("choice", self.choice, "a non-empty list of non-empty strings", _STRUCTURED)
+            self.choice = list(self.choice)
+        if self.grammar is not None and not _is_text(self.grammar):
+            _fail("grammar", self.grammar, "a non-empty string (EBNF)", _STRUCTURED)
+        if self.json_object is not None and self.json_object is not True:
+            _fail("json_object", self.json_object, "True (or None: not this kind)", _STRUCTURED)
+        if not isinstance(self.disable_any_whitespace, bool):
+            _fail("disable_any_whitespace", self.disable_any_whitespace, "a boolean", _STRUCTURED)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) is not None)
 
 
 @dataclass
@@ -82,6 +155,8 @@ class SamplingParams:
     # the bad words as token ids: given directly, and the engine appends `bad_words` tokenized
     # with the model's tokenizer (with_bad_words_tokenized)
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM v1's: the output follows a JSON schema, regex, choice or grammar (xgrammar)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, "an integer >= 1", lambda v: v >= 1)
@@ -158,6 +233,10 @@ class SamplingParams:
             _fail("bad_words_token_ids", self.bad_words_token_ids,
                   "a list of non-empty lists of token ids >= 0")
         self.bad_words_token_ids = [list(word) for word in ids]
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            _fail("structured_outputs", self.structured_outputs,
+                  "None or a kiln.StructuredOutputsParams")
 
     def with_bad_words_tokenized(self, tokenizer: Any) -> SamplingParams:
         """A copy whose bad_words_token_ids also hold `bad_words` tokenized (self if it has

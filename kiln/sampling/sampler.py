@@ -1,10 +1,10 @@
 """Batched token sampling: one call per engine step, no host synchronization inside.
 
-Pipeline per step (all rows at once): allowed_token_ids mask -> logit_bias ->
-repetition/frequency/presence penalties -> min_tokens and bad_words bans -> greedy argmax ->
-temperature -> min-p -> top-k -> top-p -> exponential race (vLLM v1's order, but for the bad
-words, which vLLM bans before the bias: -inf stays -inf through both, so the tokens are the
-same; transformers applies min-p last, which differs when min-p and top-p are combined).
+Pipeline per step (all rows at once): structured outputs' grammar bitmask -> allowed_token_ids
+mask -> logit_bias -> repetition/frequency/presence penalties -> min_tokens and bad_words bans ->
+greedy argmax -> temperature -> min-p -> top-k -> top-p -> exponential race (vLLM v1's order, but
+for the bad words, which vLLM bans before the bias: -inf stays -inf through both, so the tokens
+are the same; transformers applies min-p last, which differs when min-p and top-p are combined).
 Branches depend only on host metadata (e.g. "some row uses top-k"), never on tensor values, so
 the caller decides when to wait for the GPU (by reading `SamplerOutput.token_ids`).
 """
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from kiln.kernels.argmax import argmax_rows
+from kiln.sampling.grammar import GrammarState, apply_grammar_bitmask, grammar_bitmask
 from kiln.sampling.params import SamplingParams
 from kiln.upload import upload
 
@@ -130,6 +131,8 @@ class SamplingMetadata:
     logit_bias_ids: Tensor | None  # [num_biased] int64
     logit_bias_values: Tensor | None  # [num_biased] float32, added to those logits
     max_num_logprobs: int | None
+    grammar_rows: Tensor | None = None  # [num_structured] int64, rows with structured outputs
+    grammar_bitmask: Tensor | None = None  # [num_structured, ceil(vocab / 32)] int32, 1 = allowed
 
     @classmethod
     def build(
@@ -140,16 +143,20 @@ class SamplingMetadata:
         prompt_token_ids: Sequence[Sequence[int]],
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
+        grammars: Sequence[GrammarState | None] = (),
     ) -> SamplingMetadata:
         """One row per sequence. `eos_token_ids` are masked (with each row's stop_token_ids)
         while a row has fewer than min_tokens outputs, ignore_eos or not: as in vLLM, min_tokens
         forbids EOS before that many tokens, and ignore_eos only keeps EOS from ending the
-        output afterwards."""
+        output afterwards. `grammars`, when given, holds each row's structured-output state
+        (None for a row without), whose allowed next tokens are read here, on the host."""
         num_seqs = len(params)
-        if not len(generators) == len(output_token_ids) == len(prompt_token_ids) == num_seqs:
+        if not (len(generators) == len(output_token_ids) == len(prompt_token_ids) == num_seqs
+                and len(grammars) in (0, num_seqs)):
             raise ValueError(
                 f"one row per sequence: {num_seqs} params, {len(generators)} generators, "
-                f"{len(output_token_ids)} output lists, {len(prompt_token_ids)} prompt lists"
+                f"{len(output_token_ids)} output lists, {len(prompt_token_ids)} prompt lists, "
+                f"{len(grammars)} grammars"
             )
         device = torch.device(device)
         greedy = [p.greedy for p in params]
@@ -220,6 +227,7 @@ class SamplingMetadata:
         if not (all_greedy or all_random):
             greedy_mask = _to_device(greedy, torch.bool, device)
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        grammar_rows, bitmask = grammar_bitmask(grammars, device) or (None, None)
         return cls(
             num_seqs=num_seqs,
             all_greedy=all_greedy,
@@ -246,6 +254,8 @@ class SamplingMetadata:
             logit_bias_ids=bias_ids,
             logit_bias_values=bias_values,
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+            grammar_rows=grammar_rows,
+            grammar_bitmask=bitmask,
         )
 
 
@@ -350,7 +360,9 @@ class Sampler:
         # (row, token) pairs through the flat view: `logits[rows, ids] = -inf` copies the scalar
         # from the host and synchronizes on CUDA
         vocab_size = logits.shape[1]
-        if meta.restricted_rows is not None:  # first, as vLLM v1
+        if meta.grammar_rows is not None:  # first: vLLM v1 masks the logits before its sampler
+            apply_grammar_bitmask(logits, meta.grammar_rows, meta.grammar_bitmask)
+        if meta.restricted_rows is not None:  # first of the sampler's own, as vLLM v1
             # the allowed logits put aside, their rows set to -inf, the allowed put back
             flat = meta.allowed_rows * vocab_size + meta.allowed_ids
             kept = logits.view(-1).index_select(0, flat)
@@ -383,7 +395,8 @@ class Sampler:
         """Run every sampling path once on random logits: greedy and random rows together and
         random rows alone; temperature, top-k, top-p, min-p; a seeded and a shared draw;
         allowed_token_ids, logit_bias, penalties, min_tokens, bad words and logprobs; prompt
-        logprobs.
+        logprobs. (Structured outputs' grammar mask runs once when the engine builds its grammar
+        compiler, at its first structured request: GrammarCache.)
 
         On CUDA the first launch of a kernel loads it (lazy module loading) and waits for the
         device, and a Triton kernel compiles on its first call with new constants: at start-up

@@ -38,6 +38,7 @@ from kiln.serve.protocol import (
 )
 from kiln.serve.state import ServerState, finite_logprob
 from kiln.serve.streaming import SSEResponse, event_stream
+from kiln.serve.structured import compile_grammar, structured_outputs_of
 
 
 def _content_text(message: ChatMessage, index: int) -> str:
@@ -123,8 +124,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     max_tokens = resolve_max_tokens(len(prompt), getattr(body, max_field), engine.max_model_len,
                                     param=max_field)
     num_top = body.top_logprobs or 0
+    structured = structured_outputs_of(body)
     params = sampling_params(body, max_tokens, num_top if body.logprobs else None,
-                             {"logprobs": "top_logprobs", "max_tokens": max_field})
+                             {"logprobs": "top_logprobs", "max_tokens": max_field},
+                             structured=structured)
+    await compile_grammar(engine, structured)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created, tokenizer = int(time.time()), engine.tokenizer
     outputs = merged_outputs(engine, [prompt], [params], request_id, state.metrics,

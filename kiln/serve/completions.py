@@ -35,6 +35,7 @@ from kiln.serve.protocol import (
 )
 from kiln.serve.state import ServerState, finite_logprob
 from kiln.serve.streaming import SSEResponse, event_stream
+from kiln.serve.structured import compile_grammar, structured_outputs_of
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
@@ -152,9 +153,12 @@ async def create_completion(state: ServerState, body: CompletionRequest,
     echoes = [echo_text(p, tokenizer) if body.echo else None for p in prompts]
     # per prompt, as in vLLM: max_tokens null gives each the rest of the context after it;
     # echo asks for the prompt's logprobs as well, as many alternatives as the completion's
+    structured = structured_outputs_of(body)
     params = [sampling_params(body, engine_max_tokens(len(p), body, engine.max_model_len),
-                              body.logprobs, prompt_logprobs=body.logprobs if body.echo else None)
+                              body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
+                              structured=structured)
               for p in prompt_ids]
+    await compile_grammar(engine, structured)
     # what the client is answered: echo with max_tokens 0 ran one token it did not ask for
     answer_of = prompt_only if body.echo and body.max_tokens == 0 else lambda output: output
     request_id = f"cmpl-{uuid.uuid4().hex}"

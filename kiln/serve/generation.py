@@ -22,6 +22,7 @@ from kiln.serve.errors import APIError, bad_request
 from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import Logprob, PromptLogprobs, Usage
 from kiln.serve.state import ServerState, finite_logprob
+from kiln.serve.structured import StructuredRequest
 
 T = TypeVar("T")
 
@@ -36,24 +37,20 @@ def check_text(value: str, param: str) -> str:
     return value
 
 
-# Options that would change what is generated and that Kiln does not implement (OpenAI's, then
-# vLLM's extensions). Unknown fields are otherwise ignored, so a request setting one of these
-# would get an answer as if it had not: it is refused instead, naming the field.
-UNSUPPORTED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "structured_outputs", "logits_processors")
+# Options that would change what is generated and that Kiln does not implement (vLLM's
+# extensions). Unknown fields are otherwise ignored, so a request setting one of these would get
+# an answer as if it had not: it is refused instead, naming the field.
+UNSUPPORTED = ("guided_whitespace_pattern", "logits_processors")
 
 
 def refuse_unsupported(body: Any, names: Sequence[str] = ()) -> None:
     """400 for the first of ``UNSUPPORTED`` and ``names`` the request sets (null, [] and {}
-    set nothing), for a response_format other than plain text, for stream_options set on
-    a request that does not stream, or for prompt_logprobs asked of one that does."""
+    set nothing), for stream_options set on a request that does not stream, or for
+    prompt_logprobs asked of one that does."""
     sent = body.model_extra or {}
     for name in (*UNSUPPORTED, *names):
         if sent.get(name) not in (None, [], {}):
             raise APIError(400, f"{name} is not supported", param=name)
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format type 'text' is supported",
-                       param="response_format")
     # As vLLM: options for a stream that will not be sent (include_usage would give no usage
     # chunk) are a client's mistake, not something to drop silently.
     if body.stream_options is not None and body.stream_options.model_fields_set \
@@ -101,13 +98,15 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
                     request_fields: Mapping[str, str] | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    structured: StructuredRequest | None = None) -> SamplingParams:
     """SamplingParams from the fields both endpoints share; bad values -> 400 naming the field.
 
     ``request_fields`` maps SamplingParams fields to the request fields that gave them where
     the names differ (chat's top_logprobs gives logprobs). ``prompt_logprobs`` is what the
     request's own prompt_logprobs defaults to (completions' echo returns the prompt's logprobs
     too, as many alternatives as the completion's, unless prompt_logprobs says, as in vLLM).
+    ``structured`` is the request's structured outputs (``structured_outputs_of``).
     """
     stop = body.stop
     for s in [stop] if isinstance(stop, str) else stop or []:
@@ -131,7 +130,8 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=_logit_bias(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
-            bad_words=body.bad_words)
+            bad_words=body.bad_words,
+            structured_outputs=structured.params if structured is not None else None)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc, request_fields) from None
 

@@ -55,6 +55,21 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema: the schema the answer follows, under ``schema``
+    (``strict`` is accepted: the schema is always enforced)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
 
@@ -72,8 +87,8 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
-    # OpenAI's in chat, vLLM's in completions too; only "text" is supported
-    response_format: dict[str, Any] | None = None
+    # OpenAI's in chat, vLLM's in completions too
+    response_format: ResponseFormat | None = None
     # extensions sent by vLLM's benchmark and other clients
     top_k: Int | None = None
     min_p: float | None = None
@@ -86,6 +101,13 @@ class _SamplingFields(_Body):
     allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: Int | None = None  # the response's prompt_logprobs (not with stream)
+    # vLLM's structured outputs, one way at most (with response_format): v1's structured_outputs
+    # (StructuredOutputsParams' fields), or the older guided_* fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -200,11 +200,9 @@ FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties"
 
 
 @pytest.mark.parametrize("chat, options, param", [
-    (False, {"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
-    (False, {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
     (False, {"extra_body": {"logits_processors": ["my.module:Processor"]}}, "logits_processors"),
-    (True, {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
-    (True, {"extra_body": {"structured_outputs": {"regex": "a+"}}}, "structured_outputs"),
+    (True, {"extra_body": {"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}},
+     "guided_whitespace_pattern"),
     (True, {"tools": [{"type": "function", "function": FUNCTION}]}, "tools"),
     (True, {"functions": [FUNCTION]}, "functions"),
     (True, {"tool_choice": "required"}, "tool_choice"),
