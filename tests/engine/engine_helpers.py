@@ -35,6 +35,15 @@ def run_all(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
     return {o.request_id: [c.token_ids for c in o.outputs] for o in done}
 
 
+def generate_in_order(engine: LLMEngine, prompts, params) -> list[kiln.RequestOutput]:
+    """Run the requests to completion: their outputs in input order, every KV block given back."""
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    done = {o.request_id: o for o in engine.run_to_completion()}
+    assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
+    return [done[str(i)] for i in range(len(prompts))]
+
+
 class DeviceOps(TorchDispatchMode):
     """Records each aten op run under it with the dtypes of its tensors: on CUDA each such
     pair is a kernel (or a copy) of its own, loaded on its first launch."""

@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from engine_helpers import DeviceOps, make_engine
+from engine_helpers import DeviceOps, generate_in_order, make_engine
 
 import kiln
 from kiln.engine.reference import reference_generate
@@ -37,14 +37,6 @@ def engine():
     return make_engine("kiln-tiny", num_kv_blocks=128)
 
 
-def generate(engine, prompts, params) -> list[kiln.RequestOutput]:
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), prompt, p)
-    done = {o.request_id: o for o in engine.run_to_completion()}
-    assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
-    return [done[str(i)] for i in range(len(prompts))]
-
-
 def samples(outputs) -> list[kiln.CompletionOutput]:
     return [c for o in outputs for c in o.outputs]
 
@@ -54,7 +46,7 @@ def test_a_json_schema_request_decodes_to_an_object_that_follows_it(engine, comp
     structured = S(json=SCHEMA, disable_any_whitespace=compact)
     params = [P(temperature=0.0, max_tokens=64, structured_outputs=structured),
               P(temperature=1.0, seed=3, n=2, max_tokens=64, structured_outputs=structured)]
-    got = samples(generate(engine, [PROMPT] * 2, params))
+    got = samples(generate_in_order(engine, [PROMPT] * 2, params))
     assert len(got) == 3
     for c in got:
         assert c.finish_reason == "stop" and c.stop_reason is None, c
@@ -67,7 +59,7 @@ def test_a_regex_request_matches_it_whole(engine):
     params = [P(temperature=1.0, seed=seed, max_tokens=48, structured_outputs=S(regex=REGEX))
               for seed in range(4)] + [P(temperature=0.0, max_tokens=48,
                                          structured_outputs=S(regex=REGEX))]
-    got = samples(generate(engine, [PROMPT] * len(params), params))
+    got = samples(generate_in_order(engine, [PROMPT] * len(params), params))
     for c in got:
         assert c.finish_reason == "stop" and re.fullmatch(REGEX, c.text), c
     assert len({c.text for c in got}) > 1
@@ -75,7 +67,7 @@ def test_a_regex_request_matches_it_whole(engine):
 
 def test_a_choice_request_returns_one_of_the_choices_each_sample(engine):
     params = P(temperature=1.5, seed=1, n=4, max_tokens=16, structured_outputs=S(choice=CHOICES))
-    got = samples(generate(engine, [PROMPT], [params]))
+    got = samples(generate_in_order(engine, [PROMPT], [params]))
     assert len(got) == 4
     for c in got:
         assert c.text in CHOICES and c.finish_reason == "stop", c
@@ -87,7 +79,7 @@ def test_json_object_and_an_ebnf_grammar(engine):
     params = [P(temperature=0.0, max_tokens=48,
                 structured_outputs=S(json_object=True, disable_any_whitespace=True)),
               P(temperature=1.0, seed=4, max_tokens=48, structured_outputs=S(grammar=grammar))]
-    obj, expr = samples(generate(engine, [PROMPT] * 2, params))
+    obj, expr = samples(generate_in_order(engine, [PROMPT] * 2, params))
     assert obj.finish_reason == "stop" and json.loads(obj.text), obj  # a non-empty object
     assert expr.finish_reason == "stop" and re.fullmatch(r"x = [1-9]\d?( \+ [1-9]\d?)?;",
                                                          expr.text), expr
@@ -96,14 +88,14 @@ def test_json_object_and_an_ebnf_grammar(engine):
 def test_a_grammar_that_ends_ends_the_output_despite_ignore_eos(engine):
     params = P(temperature=0.0, max_tokens=16, ignore_eos=True,
                structured_outputs=S(choice=CHOICES))
-    (c,) = samples(generate(engine, [PROMPT], [params]))
+    (c,) = samples(generate_in_order(engine, [PROMPT], [params]))
     assert c.text in CHOICES and c.finish_reason == "stop" and c.stop_reason is None
 
 
 def test_a_grammar_other_constraints_leave_no_token_ends_in_abort(engine):
     # once "yes" is out only EOS may follow, and min_tokens bans it
     params = P(temperature=0.0, max_tokens=16, min_tokens=8, structured_outputs=S(choice=["yes"]))
-    (c,) = samples(generate(engine, [PROMPT], [params]))
+    (c,) = samples(generate_in_order(engine, [PROMPT], [params]))
     assert c.text == "yes" and c.finish_reason == "abort", c
 
 
@@ -113,8 +105,8 @@ def test_plain_requests_beside_structured_ones_are_token_identical_to_running_al
     engine = make_engine("kiln-tiny", num_kv_blocks=128, async_scheduling=async_scheduling)
     plain = P(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["import os\n", "class Stack:\n", PROMPT]
-    alone = [c.token_ids for c in samples(generate(engine, prompts, [plain] * 3))]
-    mixed = generate(engine, [prompts[0], PROMPT, prompts[1], PROMPT, prompts[2]],
+    alone = [c.token_ids for c in samples(generate_in_order(engine, prompts, [plain] * 3))]
+    mixed = generate_in_order(engine, [prompts[0], PROMPT, prompts[1], PROMPT, prompts[2]],
                      [plain, P(temperature=0.0, max_tokens=64, structured_outputs=S(json=SCHEMA)),
                       plain, P(temperature=0.9, seed=2, max_tokens=16,
                                structured_outputs=S(choice=CHOICES)), plain])
@@ -144,7 +136,7 @@ def test_no_structured_step_is_chained_and_async_changes_no_output(monkeypatch):
             return real(out, lookahead_ids)
 
         monkeypatch.setattr(engine.runner, "execute", spy)
-        outputs[async_scheduling] = got = samples(generate(engine, prompts, params))
+        outputs[async_scheduling] = got = samples(generate_in_order(engine, prompts, params))
         follows_schema(got[1].text)
         assert re.fullmatch(REGEX, got[3].text)
         assert not any(chained and structured for chained, structured in steps)
@@ -158,9 +150,9 @@ def test_a_preempted_structured_request_resumes_its_grammar():
     structured = S(json=SCHEMA, disable_any_whitespace=True)
     params = [P(temperature=1.0, seed=s, max_tokens=64, structured_outputs=structured)
               for s in range(4)]
-    roomy = samples(generate(make_engine("kiln-tiny", num_kv_blocks=128), prompts, params))
+    roomy = samples(generate_in_order(make_engine("kiln-tiny", num_kv_blocks=128), prompts, params))
     tight = make_engine("kiln-tiny", num_kv_blocks=10, block_size=16, max_model_len=160)
-    got = samples(generate(tight, prompts, params))
+    got = samples(generate_in_order(tight, prompts, params))
     assert tight.scheduler.num_preemptions > 0
     assert [c.token_ids for c in got] == [c.token_ids for c in roomy]
     for c in got:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import make_engine
+from engine_helpers import generate_in_order, make_engine
 
 import kiln
 from kiln.engine.reference import reference_generate
@@ -15,14 +15,6 @@ from kiln.engine.reference import reference_generate
 P = kiln.SamplingParams
 GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=12)
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Unicode: café"]
-
-
-def generate(engine, prompts, params) -> list[kiln.RequestOutput]:
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), prompt, p)
-    done = {o.request_id: o for o in engine.run_to_completion()}
-    assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
-    return [done[str(i)] for i in range(len(prompts))]
 
 
 def reference(engine, prompts, params) -> list[kiln.RequestOutput]:
@@ -47,9 +39,9 @@ def test_allowed_token_ids_confine_every_token_greedy_or_sampled(tiny_llama):
     params = [P(allowed_token_ids=allowed, **GREEDY),
               P(allowed_token_ids=allowed, n=2, temperature=1.5, seed=3, ignore_eos=True,
                 max_tokens=12)]
-    free = token_ids(generate(engine, prompts[:1], [P(**GREEDY)]))
+    free = token_ids(generate_in_order(engine, prompts[:1], [P(**GREEDY)]))
     assert not set(free[0]) <= set(allowed)  # unconfined, the model picks others
-    got = token_ids(generate(engine, prompts, params))
+    got = token_ids(generate_in_order(engine, prompts, params))
     assert all(set(ids) <= set(allowed) for ids in got), got
     assert len({tuple(ids) for ids in got}) > 1
     assert got == token_ids(reference(engine, prompts, params))
@@ -90,7 +82,7 @@ def test_a_bad_word_bans_its_last_token_right_after_the_rest(tiny_llama, as_text
     is built before the host holds the token before it, so such a request is not chained."""
     engine = make_engine(tiny_llama)
     tok = engine.tokenizer
-    [free] = generate(engine, PROMPTS[:1], [P(**GREEDY)])
+    [free] = generate_in_order(engine, PROMPTS[:1], [P(**GREEDY)])
     ids = free.outputs[0].token_ids
     if as_text:  # two output tokens the tokenizer writes that way from their text
         pair = next(ids[j - 1:j + 1] for j in range(1, len(ids))
@@ -101,7 +93,7 @@ def test_a_bad_word_bans_its_last_token_right_after_the_rest(tiny_llama, as_text
         params = P(bad_words_token_ids=[ids[:2]], **GREEDY)
     words = params.with_bad_words_tokenized(tok).bad_words_token_ids
     at = completes(words, ids)[0]
-    [got] = generate(engine, PROMPTS[:1], [params])
+    [got] = generate_in_order(engine, PROMPTS[:1], [params])
     out = got.outputs[0].token_ids
     assert out[:at] == ids[:at] and out[at] != ids[at]
     assert not completes(words, out)
@@ -113,7 +105,7 @@ def test_prompt_logprob_ranks_match_the_reference_and_the_logprobs(tiny_llama):
     prompts = [[rng.randrange(3, 300) for _ in range(100)] for _ in range(2)]
     params = [P(max_tokens=4, temperature=0.0, prompt_logprobs=2)] * 2
     engine = make_engine(tiny_llama, max_num_batched_tokens=32)  # scored over four chunks
-    got = generate(engine, prompts, params)
+    got = generate_in_order(engine, prompts, params)
     for prompt, out, ref in zip(prompts, got, reference(engine, prompts, params), strict=True):
         ranks = out.prompt_logprob_ranks
         assert ranks[0] is None and ranks == ref.prompt_logprob_ranks
