@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # (imported where used, so that `kiln --help` starts fast)
     from kiln.batch_io import PromptInput
     from kiln.engine.llm_engine import LLMEngine
     from kiln.outputs import RequestOutput
-    from kiln.sampling.params import SamplingParams
+    from kiln.sampling.params import SamplingParams, StructuredOutputsParams
 
 
 def _load(name: str, module: str, attr: str) -> click.Command:
@@ -104,9 +104,19 @@ def main(log_level: str) -> None:
               help="end the text where this string appears, leaving it out (repeatable)")
 @click.option("--chat", is_flag=True,
               help="wrap each prompt in the model's chat template and show only the reply")
+@click.option("--json-schema", metavar="FILE|JSON",
+              help="structured output: text that follows this JSON schema (a file, or inline)")
+@click.option("--json-object", is_flag=True, help="structured output: any JSON object")
+@click.option("--regex", help="structured output: text the regular expression matches whole")
+@click.option("--choice", multiple=True,
+              help="structured output: exactly one of these strings (repeatable)")
+@click.option("--grammar", type=click.Path(exists=True, dir_okay=False),
+              help="structured output: text in this EBNF grammar file (start rule: root)")
 @engine_options
 def generate(model: str, prompt: str | None, prompts_file: str | None, output: str | None,
-             chat: bool, engine_kwargs: dict[str, Any], **sampling: Any) -> None:
+             chat: bool, json_schema: str | None, json_object: bool, regex: str | None,
+             choice: tuple[str, ...], grammar: str | None, engine_kwargs: dict[str, Any],
+             **sampling: Any) -> None:
     """Continue --prompt, streaming it, or run --prompts-file as one batch.
 
     A prompts file holds one prompt a line (blank lines skipped) or, when its first line starts
@@ -123,6 +133,9 @@ def generate(model: str, prompt: str | None, prompts_file: str | None, output: s
 
     --n N draws N samples of each prompt (printed once they are all done, even for --prompt):
     N result lines a prompt, told apart by sample_index (0 to N-1).
+
+    --json-schema, --json-object, --regex, --choice or --grammar (one of them) constrains every
+    output, as a server's structured outputs do; it is compiled once, before anything runs.
 
     --seed also seeds each request's sampling, so a sampled run repeats: prompt i (from 0) of a
     batch with --seed + i, so that duplicate prompts draw different samples (and the N samples
@@ -143,8 +156,10 @@ def generate(model: str, prompt: str | None, prompts_file: str | None, output: s
     else:
         inputs = [PromptInput("--prompt", {"prompt": _read_stdin() if prompt == "-" else prompt})]
     stream = prompts_file is None and output is None and sampling["n"] == 1
+    structured = _structured_outputs(json_schema, json_object, regex, choice, grammar)
     try:
-        params = SamplingParams(**sampling, seed=engine_kwargs.get("seed"))
+        params = SamplingParams(**sampling, seed=engine_kwargs.get("seed"),
+                                structured_outputs=structured)
         if output not in (None, "-"):  # (now, not once the batch has run)
             Path(output).parent.mkdir(parents=True, exist_ok=True)
         # a batch is an offline run: kiln.LLM's larger step on large GPUs
@@ -153,10 +168,53 @@ def generate(model: str, prompt: str | None, prompts_file: str | None, output: s
         template = _chat_template(engine.tokenizer, chat or any(i.messages for i in inputs))
     except (ValueError, TypeError, OSError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
+    if structured is not None:  # once here, not an error for each prompt
+        try:
+            engine.compile_grammar(structured)
+        except ValueError as exc:
+            flag = next(f for f, kind in STRUCTURED_FLAGS.items() if kind == structured.kind)
+            raise click.BadParameter(str(exc), param_hint=flag) from None
     if stream:
         _stream(engine, inputs[0], params, chat, template)
     else:
         _run_batch(engine, inputs, params, chat, template, output)
+
+
+# kiln generate's structured-output options -> StructuredOutputsParams' fields
+STRUCTURED_FLAGS = {"--json-schema": "json", "--json-object": "json_object", "--regex": "regex",
+                    "--choice": "choice", "--grammar": "grammar"}
+
+
+def _structured_outputs(json_schema: str | None, json_object: bool, regex: str | None,
+                        choice: tuple[str, ...], grammar: str | None
+                        ) -> StructuredOutputsParams | None:
+    """The one structured-output option given, as StructuredOutputsParams (None: none)."""
+    from kiln.sampling.params import StructuredOutputsParams
+
+    given = {"--json-schema": json_schema, "--json-object": json_object or None,
+             "--regex": regex, "--choice": list(choice) or None, "--grammar": grammar}
+    given = {flag: value for flag, value in given.items() if value is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise click.UsageError(f"give one structured-output option, not {' and '.join(given)}")
+    [(flag, value)] = given.items()
+    try:
+        if flag == "--json-schema":
+            text = value if value.lstrip().startswith("{") else _read_text(value, flag)
+            return StructuredOutputsParams(json=text)
+        if flag == "--grammar":
+            return StructuredOutputsParams(grammar=_read_text(value, flag))
+        return StructuredOutputsParams(**{STRUCTURED_FLAGS[flag]: value})
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=flag) from None
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc}", param_hint=flag) from None
 
 
 def _read_stdin() -> str:

@@ -277,3 +277,54 @@ def test_generate_batch_says_how_many_prompts_the_context_stopped(tiny_llama, tm
     assert samples.exit_code == 0, samples.output
     assert "6 of 6 samples stopped at the model's context of 16 tokens" in samples.stderr
 
+
+
+def test_generate_constrains_every_output_to_a_json_schema_file(tmp_path):
+    """--json-schema FILE: each output parses and follows the schema, token for token what
+    kiln.LLM gives with the same StructuredOutputsParams."""
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    args = ["--max-tokens", "48", "--temperature", "0.5", "--seed", "1", "--n", "2"]
+    result = generate("kiln-tiny", "--prompt", "x = ", "--json-schema", str(schema_file),
+                      "--output", "-", *args)
+    assert result.exit_code == 0, result.output
+    lines = result_lines(result.stdout)
+    assert len(lines) == 2
+    for line in lines:
+        assert line["finish_reason"] == "stop"
+        assert isinstance(json.loads(line["text"])["age"], int)
+    llm = kiln.LLM("kiln-tiny", device="cpu", dtype="float32")
+    [want] = llm.generate("x = ", kiln.SamplingParams(
+        n=2, max_tokens=48, temperature=0.5, seed=1,
+        structured_outputs=kiln.StructuredOutputsParams(json=schema)))
+    assert [line["token_ids"] for line in lines] == [o.token_ids for o in want.outputs]
+
+
+def test_generate_choice_and_inline_schema_options():
+    choice = generate("kiln-tiny", "--prompt", "x = ", "--choice", "yes", "--choice", "no",
+                      "--output", "-")
+    assert choice.exit_code == 0, choice.output
+    [line] = result_lines(choice.stdout)
+    assert line["text"] in ("yes", "no") and line["finish_reason"] == "stop"
+    inline = generate("kiln-tiny", "--prompt", "x = ", "--json-schema",
+                      '{"type": "object", "properties": {"ok": {"type": "boolean"}}, '
+                      '"required": ["ok"]}', "--max-tokens", "48", "--output", "-")
+    assert inline.exit_code == 0, inline.output
+    assert isinstance(json.loads(result_lines(inline.stdout)[0]["text"])["ok"], bool)
+
+
+def test_generate_refuses_bad_structured_output_options_by_their_flag(tmp_path):
+    assert_fails_cleanly(generate("kiln-tiny", "--prompt", "x", "--regex", "a", "--choice", "b"),
+                         "give one structured-output option, not --regex and --choice")
+    assert_fails_cleanly(generate("kiln-tiny", "--prompt", "x", "--json-schema", '{"type": '),
+                         "Invalid value for --json-schema: StructuredOutputsParams.json is not "
+                         "valid JSON")
+    assert_fails_cleanly(generate("kiln-tiny", "--prompt", "x", "--json-schema",
+                                  str(tmp_path / "missing.json")), "cannot read")
+    # compiled once, before any prompt runs: one error naming the flag, not one a prompt
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("a\nb\n")
+    bad = generate("kiln-tiny", "--prompts-file", str(prompts_file), "--regex", "[")
+    assert_fails_cleanly(bad, "Invalid value for --regex")
+    assert "the regex does not compile" in bad.output and "prompts cannot run" not in bad.output
