@@ -76,18 +76,21 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
 
 def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], template: str,
                 add_generation_prompt: bool = True,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """A conversation ([{"role": ..., "content": ...}, ...]) rendered with ``template`` and
     tokenized; ValueError says what is wrong (shared by ``kiln.LLM.chat`` and the server).
 
     ``template_kwargs`` are the template's own variables (vLLM's chat_template_kwargs, such as
-    Qwen3's enable_thinking); they cannot override how the template is applied.
+    Qwen3's enable_thinking); they cannot override how the template is applied. ``tools`` are
+    the template's ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` entries, as
+    transformers and vLLM pass them), which templates of tool-calling models describe.
     """
     if not conversation:
         raise ValueError("messages is empty; give at least one message")
     try:
         text = tokenizer.apply_chat_template(
-            conversation, **{**(template_kwargs or {}), "chat_template": template,
+            conversation, **{**(template_kwargs or {}), "chat_template": template, "tools": tools,
                              "tokenize": False, "add_generation_prompt": add_generation_prompt})
         # The template writes any BOS itself; encoding must not add a second one. (verbose=False:
         # the length is checked against max_model_len with a clear error, not transformers'

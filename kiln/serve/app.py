@@ -41,6 +41,7 @@ from kiln.serve.protocol import (
 )
 from kiln.serve.state import ServerState
 from kiln.serve.streaming import sse
+from kiln.serve.tools import template_tools
 
 log = logging.getLogger("kiln.serve")
 
@@ -218,7 +219,7 @@ def create_app(engine: AsyncEngine | None = None,
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
             ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt,
-                                  body.chat_template_kwargs)
+                                  body.chat_template_kwargs, template_tools(body.tools))
         else:
             if engine.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer", param="prompt")

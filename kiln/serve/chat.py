@@ -38,7 +38,14 @@ from kiln.serve.protocol import (
 )
 from kiln.serve.state import ServerState, finite_logprob
 from kiln.serve.streaming import SSEResponse, event_stream
-from kiln.serve.structured import compile_grammar, structured_outputs_of
+from kiln.serve.structured import StructuredRequest, compile_grammar, structured_outputs_of
+from kiln.serve.tools import (
+    ToolCallDeltas,
+    ToolRequest,
+    answer_calls,
+    history_fields,
+    tool_request_of,
+)
 
 
 def _content_text(message: ChatMessage, index: int) -> str:
@@ -61,11 +68,13 @@ def _content_text(message: ChatMessage, index: int) -> str:
 
 def chat_prompt_ids(state: ServerState, messages: list[ChatMessage],
                     add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Render the messages with the chat template and tokenize (400s say what went wrong).
 
     ``template_kwargs`` are the template's own variables (vLLM's chat_template_kwargs, such as
-    Qwen3's enable_thinking); they cannot override how the template is applied.
+    Qwen3's enable_thinking); they cannot override how the template is applied. ``tools`` (the
+    request's, as OpenAI shapes them) are the template's ``tools``.
     """
     tokenizer = state.ready_engine().tokenizer
     if not messages:
@@ -76,10 +85,11 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage],
                             "format messages; use /v1/completions with a prompt, or restart "
                             "the server with --chat-template", param="messages")
     conversation = [{"role": check_text(m.role, f"messages.{i}.role"),
-                     "content": _content_text(m, i)} for i, m in enumerate(messages)]
+                     "content": _content_text(m, i), **history_fields(m, i)}
+                    for i, m in enumerate(messages)]
     try:
         return render_chat(tokenizer, conversation, template, add_generation_prompt,
-                           template_kwargs)
+                           template_kwargs, tools)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
 
@@ -100,17 +110,30 @@ def _logprobs(state: ServerState, tokenizer: Any, choice: CompletionOutput, star
     return ChoiceLogprobs(content=content)
 
 
+def _constraint(tools: ToolRequest, structured: StructuredRequest | None
+                ) -> StructuredRequest | None:
+    """The one constraint on the answer: a forced tool call's, or the structured outputs the
+    request asks; 400 when it asks both (vLLM lets the call's win silently)."""
+    if tools.forced and structured is not None:
+        raise APIError(400, f"tool_choice forces a tool call, whose arguments follow the tool's "
+                            f"schema, and {structured.param} asks for structured outputs as "
+                            f"well; send one of them", param=structured.param)
+    return tools.structured or structured
+
+
+def _message(tools: ToolRequest, text: str) -> AssistantMessage:
+    """The answer as content, or as the calls it forces (with content "", as in vLLM)."""
+    if not tools.forced:
+        return AssistantMessage(content=text)
+    return AssistantMessage(content="", tool_calls=answer_calls(tools, text))
+
+
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest,
                                  request: Request) -> Response | ChatCompletionResponse:
     engine = state.ready_engine()
     state.check_model(body.model)
-    refuse_unsupported(body, ("tools", "functions"))
-    # Without tools, only these choices can be met by a plain answer (vLLM refuses any choice
-    # without tools; "auto" passes here, as clients send it on requests that have none).
-    for field in ("tool_choice", "function_call"):
-        if (body.model_extra or {}).get(field) not in (None, "none", "auto"):
-            raise APIError(400, f"{field} asks for a tool call, but tools are not supported",
-                           param=field)
+    refuse_unsupported(body)
+    tool_request = tool_request_of(body)
     # Rejected as OpenAI does, since it would be ignored silently; 0 asks for nothing, so it
     # passes without logprobs, as in vLLM.
     if body.top_logprobs and not body.logprobs:
@@ -118,13 +141,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                             f"{body.top_logprobs} without it; set logprobs to true or drop "
                             f"top_logprobs", param="top_logprobs")
     prompt = chat_prompt_ids(state, body.messages, body.add_generation_prompt,
-                             body.chat_template_kwargs)
+                             body.chat_template_kwargs, tool_request.tools)
     # max_completion_tokens replaces the deprecated max_tokens; errors name the one sent
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(len(prompt), getattr(body, max_field), engine.max_model_len,
                                     param=max_field)
     num_top = body.top_logprobs or 0
-    structured = structured_outputs_of(body)
+    structured = _constraint(tool_request, structured_outputs_of(body))
     params = sampling_params(body, max_tokens, num_top if body.logprobs else None,
                              {"logprobs": "top_logprobs", "max_tokens": max_field},
                              structured=structured)
@@ -142,7 +165,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             finals = await unless_disconnected(request, collect_finals(outputs))
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+        # A forced call's finish_reason stays the engine's ("stop"), as in vLLM, which gives
+        # "tool_calls" only to calls its parser found in free text, and to streamed calls.
+        choices = [ChatChoice(index=c.index, message=_message(tool_request, c.text),
                               logprobs=logprobs_of(c, 0), finish_reason=c.finish_reason,
                               stop_reason=c.stop_reason) for c in finals[0].outputs]
         return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
@@ -155,6 +180,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     except (ValueError, TypeError) as exc:
         raise bad_request(exc) from None
     tracker = DeltaTracker()
+    tool_deltas = ToolCallDeltas(tool_request) if tool_request.forced else None
     finals: dict[int, RequestOutput] = {}
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -169,11 +195,20 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             if already is None:
                 continue
             num_chars, num_tokens = already
-            delta = {"content": c.text[num_chars:]} if len(c.text) > num_chars else {}
+            finish_reason = c.finish_reason
+            if tool_deltas is not None:
+                delta = tool_deltas.delta(c.index, c.text, num_chars)
+                if finish_reason is not None and tool_deltas.called(c.index):
+                    finish_reason = "tool_calls"  # as vLLM ends a stream that sent calls
+            else:
+                delta = {"content": c.text[num_chars:]} if len(c.text) > num_chars else {}
             logprobs = logprobs_of(c, num_tokens)
+            if tool_deltas is not None and not delta and logprobs is None \
+                    and finish_reason is None:
+                continue  # a "required" call still being written: nothing to say, as vLLM
             yield chunk([{"index": c.index, "delta": delta,
                           "logprobs": logprobs.model_dump() if logprobs else None,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                          "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
                         **running_usage(body, len(prompt), len(c.token_ids)))
 
     # OpenAI opens every choice with the role, before any content

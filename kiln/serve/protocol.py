@@ -124,14 +124,45 @@ class TextPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A call an assistant made: in a response, and in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to that call
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None takes no arguments
+    strict: bool | None = None  # accepted: a forced call always follows the schema
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, checked
+    # by kiln.serve.tools, whose errors say what to send (a union here would not)
+    tool_choice: str | dict[str, Any] | None = None
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: bool = False
@@ -144,6 +175,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # rendered with messages, as in chat
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -226,6 +258,7 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # always a list, as in vLLM
 
 
 class ChatChoice(BaseModel):

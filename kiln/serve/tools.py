@@ -1,0 +1,223 @@
+"""Function calling in chat as vLLM does it without a model-specific tool-call parser: a forced
+call is generated under structured outputs, so its JSON needs no parsing out of free text.
+
+``tool_choice`` {"type": "function", "function": {"name": N}} constrains the answer to tool N's
+``parameters`` schema, and the answer is that call's arguments. ``"required"`` constrains it to
+a JSON array of one or more ``{"name": ..., "parameters": ...}`` objects, one per call (an
+anyOf over the tools, as vLLM builds it). ``"none"`` leaves the answer free. ``"auto"``, where
+the model decides, needs a parser for the model's own call syntax, which Kiln does not have
+(vLLM refuses it too without --enable-auto-tool-choice). The tools reach the chat template in
+every case, so that a template that describes them does.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.sampling.params import StructuredOutputsParams
+from kiln.serve.errors import APIError
+from kiln.serve.generation import check_text
+from kiln.serve.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, Tool, ToolCall
+from kiln.serve.structured import StructuredRequest
+
+# a tool without parameters is called with an empty object, as OpenAI's tools are
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+_NAMED_SHAPE = '{"type": "function", "function": {"name": ...}}'
+_DECODER = json.JSONDecoder()
+
+
+@dataclass
+class ToolRequest:
+    tools: list[dict[str, Any]] | None  # for the chat template; None when the request has none
+    function: str | None = None  # the named tool_choice's function; None with "required"
+    structured: StructuredRequest | None = None  # the constraint either one needs
+
+    @property
+    def forced(self) -> bool:
+        """Whether the answer is tool calls rather than content."""
+        return self.structured is not None
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template gets them (None for none); 400 for a nameless tool or
+    two of one name."""
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools or []):
+        name = check_text(tool.function.name, f"tools.{i}.function.name")
+        if not name:
+            raise APIError(400, f"tools.{i}.function.name is empty; give the function a name",
+                           param=f"tools.{i}.function.name")
+        if name in seen:
+            raise APIError(400, f"tools.{i}.function.name {name!r} is also tools.{seen[name]}'s; "
+                                f"tool names must be unique", param=f"tools.{i}.function.name")
+        seen[name] = i
+    return [tool.model_dump(exclude_none=True) for tool in tools or []] or None
+
+
+def _structured(schema: dict[str, Any], param: str) -> StructuredRequest:
+    try:
+        return StructuredRequest(StructuredOutputsParams(json=schema), param)
+    except ValueError as exc:  # a schema that is not JSON (compiling comes later, in the engine)
+        raise APIError(400, f"{param} is not a usable JSON schema: {exc}", param=param) from None
+
+
+def _required_schema(tools: list[Tool]) -> dict[str, Any]:
+    """A JSON array of 1+ calls, each one tool's name with arguments that follow its schema.
+
+    Each tool's ``$defs`` move to the root, where its ``#/$defs/...`` references now point."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, tool in enumerate(tools):
+        parameters = dict(tool.function.parameters or _NO_PARAMETERS)
+        for name, schema in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise APIError(400, f"tools.{i}.function.parameters.$defs.{name} differs from "
+                                    f"another tool's $defs.{name}; with tool_choice \"required\""
+                                    f" the tools share one $defs, so rename one of them",
+                               param=f"tools.{i}.function.parameters")
+        calls.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _named_function(choice: dict[str, Any], tools: list[Tool]) -> tuple[str, int]:
+    """The named choice's function and its index in ``tools``."""
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or "
+                            f"{_NAMED_SHAPE}; got {json.dumps(choice)}", param="tool_choice")
+    index = next((i for i, tool in enumerate(tools) if tool.function.name == name), None)
+    if index is None:
+        known = ", ".join(repr(tool.function.name) for tool in tools) or "none"
+        raise APIError(400, f"tool_choice names function {name!r}, which is not among tools "
+                            f"(they hold {known})", param="tool_choice")
+    return name, index
+
+
+def tool_request_of(body: ChatCompletionRequest) -> ToolRequest:
+    """The request's tools and what its tool_choice asks; 400 naming the field otherwise."""
+    sent = body.model_extra or {}
+    if sent.get("functions") not in (None, []):
+        raise APIError(400, "functions (deprecated by OpenAI) is not supported; send them as "
+                            "tools, with tool_choice", param="functions")
+    if sent.get("function_call") not in (None, "none", "auto"):
+        raise APIError(400, "function_call (deprecated by OpenAI) is not supported; use "
+                            "tool_choice with tools", param="function_call")
+    rendered = template_tools(body.tools)
+    tools = body.tools or []
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"  # OpenAI's default
+    if choice == "none" or (choice == "auto" and not tools):
+        return ToolRequest(rendered)  # (a plain answer meets "auto" when there are no tools)
+    if choice == "auto":
+        raise APIError(400, "tool_choice \"auto\" (the default when tools are given) needs a "
+                            "parser for this model's own tool-call syntax, which Kiln does not "
+                            "have; set tool_choice to \"required\", to a named function "
+                            f"{_NAMED_SHAPE}, or to \"none\"", param="tool_choice")
+    if not tools:
+        raise APIError(400, "tool_choice asks for a tool call, but the request has no tools; "
+                            "send tools, or drop tool_choice", param="tool_choice")
+    if choice == "required":
+        return ToolRequest(rendered, structured=_structured(_required_schema(tools), "tools"))
+    if not isinstance(choice, dict):
+        raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or "
+                            f"{_NAMED_SHAPE}; got {choice!r}", param="tool_choice")
+    name, index = _named_function(choice, tools)
+    param = f"tools.{index}.function.parameters"
+    return ToolRequest(rendered, function=name,
+                       structured=_structured(tools[index].function.parameters or _NO_PARAMETERS,
+                                              param))
+
+
+def history_fields(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A history message's tool fields, as chat templates read them: an assistant turn's calls
+    with their arguments as objects (JSON text in the API; templates expect dicts, as vLLM
+    hands them), a tool turn's ``tool_call_id``."""
+    fields: dict[str, Any] = {}
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            param = f"messages.{index}.tool_calls.{j}.function.arguments"
+            try:
+                arguments = json.loads(check_text(call.function.arguments, param))
+            except json.JSONDecodeError as exc:
+                raise APIError(400, f"{param} is not JSON text: {exc}", param=param) from None
+            calls.append({"id": call.id, "type": call.type,
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        fields["tool_calls"] = calls
+    return fields
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"  # vLLM's random tool-call id
+
+
+def complete_calls(text: str, start: int = 0) -> tuple[list[ToolCall], int]:
+    """The calls of a "required" answer that are complete in ``text`` from ``start``, and where
+    the next one begins. The grammar shapes the answer, ``[{"name": ..., "parameters": ...},
+    ...]`` with any whitespace, so each ``{`` past the brackets, commas and whitespace opens a
+    call, which parses once its closing brace has arrived (a cut-off answer ends before it)."""
+    calls = []
+    while True:
+        while start < len(text) and text[start] in " \t\n\r[,":
+            start += 1
+        if not text.startswith("{", start):
+            return calls, start
+        try:
+            item, start = _DECODER.raw_decode(text, start)
+        except json.JSONDecodeError:
+            return calls, start
+        calls.append(ToolCall(id=new_call_id(), function=FunctionCall(
+            name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False))))
+
+
+def answer_calls(request: ToolRequest, text: str) -> list[ToolCall]:
+    """A forced answer's calls: the named function's with the text as its arguments (cut off
+    as the text is, when max_tokens ends it early, as in vLLM), or each complete call of a
+    "required" answer."""
+    if request.function is not None:
+        return [ToolCall(id=new_call_id(), function=FunctionCall(name=request.function,
+                                                                 arguments=text))]
+    return complete_calls(text)[0]
+
+
+class ToolCallDeltas:
+    """The ``tool_calls`` deltas of a streamed forced answer, choice by choice, in vLLM's shape:
+    a call's first delta carries its ``index``, ``id``, ``type`` and ``function.name``, later
+    ones ``function.arguments`` fragments. A named call opens with the first output and its
+    arguments stream as the text does; a "required" call is sent whole once complete (vLLM
+    sends its arguments in fragments too, by parsing the partial JSON)."""
+
+    def __init__(self, request: ToolRequest) -> None:
+        self._request = request
+        self._num_calls: dict[int, int] = {}  # choice index -> calls opened
+        self._scanned: dict[int, int] = {}  # choice index -> where its next call begins
+
+    def delta(self, choice: int, text: str, num_chars: int) -> dict[str, Any]:
+        """The delta for ``text`` of which ``num_chars`` characters were sent before."""
+        new = text[num_chars:]
+        if self._request.function is not None:
+            if choice in self._num_calls:
+                return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]} if new else {}
+            self._num_calls[choice] = 1
+            return {"tool_calls": [{"index": 0, "id": new_call_id(), "type": "function",
+                                    "function": {"name": self._request.function,
+                                                 "arguments": new}}]}
+        calls, self._scanned[choice] = complete_calls(text, self._scanned.get(choice, 0))
+        first = self._num_calls.setdefault(choice, 0)
+        self._num_calls[choice] += len(calls)
+        return {"tool_calls": [{"index": first + k, **call.model_dump()}
+                               for k, call in enumerate(calls)]} if calls else {}
+
+    def called(self, choice: int) -> bool:
+        """Whether the choice has sent a call (its finish_reason is then "tool_calls")."""
+        return self._num_calls.get(choice, 0) > 0
