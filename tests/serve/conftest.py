@@ -8,9 +8,11 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import torch
 import uvicorn
@@ -54,6 +56,32 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+@contextmanager
+def kiln_tiny_server(**app_options: Any) -> Iterator[tuple[ServerThread, AsyncEngine]]:
+    """A server around kiln-tiny (its trained tokenizer: grammars and templates behave as with a
+    real model) in float32 on the CPU, and its engine; ``app_options`` go to create_app."""
+    engine = AsyncEngine.from_kwargs("kiln-tiny", dtype="float32", device="cpu",
+                                     num_kv_blocks=128)
+    with ServerThread(create_app(engine, served_model_name=MODEL, **app_options)) as srv:
+        yield srv, engine
+    engine.shutdown()
+
+
+def openai_client(srv: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+# The modules serving kiln-tiny define `tiny_server` (kiln_tiny_server with their app options)
+@pytest.fixture(scope="module")
+def tiny_client(tiny_server: tuple[ServerThread, AsyncEngine]) -> openai.OpenAI:
+    return openai_client(tiny_server[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_server: tuple[ServerThread, AsyncEngine]) -> AsyncEngine:
+    return tiny_server[1]
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.01) -> bool:

@@ -11,10 +11,8 @@ import openai
 import pytest
 
 import kiln
-from kiln.engine.async_engine import AsyncEngine
-from kiln.serve.app import create_app
 
-from .conftest import MODEL, ServerThread, assert_idle
+from .conftest import MODEL, assert_idle, kiln_tiny_server
 
 COLORS = ["red", "green", "light blue"]
 SCHEMA = {"type": "object",
@@ -37,33 +35,20 @@ def follows_schema(text: str) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_server():
-    engine = AsyncEngine.from_kwargs("kiln-tiny", dtype="float32", device="cpu",
-                                     num_kv_blocks=128)
-    with ServerThread(create_app(engine, served_model_name=MODEL)) as srv:
-        yield srv, engine
-    engine.shutdown()
+    with kiln_tiny_server() as served:
+        yield served
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tiny_server[0].url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_server) -> AsyncEngine:
-    return tiny_server[1]
-
-
-def chat_text(client, stream: bool, **kwargs) -> tuple[list[str], list[str]]:
+def chat_text(tiny_client, stream: bool, **kwargs) -> tuple[list[str], list[str]]:
     """(each choice's content, each choice's finish reason)."""
     kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 64, **kwargs}
     if not stream:
-        result = client.chat.completions.create(**kwargs)
+        result = tiny_client.chat.completions.create(**kwargs)
         return ([c.message.content for c in result.choices],
                 [c.finish_reason for c in result.choices])
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
+    for chunk in tiny_client.chat.completions.create(**kwargs, stream=True):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
             if c.finish_reason:
@@ -71,14 +56,14 @@ def chat_text(client, stream: bool, **kwargs) -> tuple[list[str], list[str]]:
     return [texts[i] for i in sorted(texts)], [reasons[i] for i in sorted(reasons)]
 
 
-def completion_text(client, stream: bool, **kwargs) -> tuple[list[str], list[str]]:
+def completion_text(tiny_client, stream: bool, **kwargs) -> tuple[list[str], list[str]]:
     kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 48, **kwargs}
     if not stream:
-        result = client.completions.create(**kwargs)
+        result = tiny_client.completions.create(**kwargs)
         return [c.text for c in result.choices], [c.finish_reason for c in result.choices]
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
-    for chunk in client.completions.create(**kwargs, stream=True):
+    for chunk in tiny_client.completions.create(**kwargs, stream=True):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
             if c.finish_reason:
@@ -87,65 +72,66 @@ def completion_text(client, stream: bool, **kwargs) -> tuple[list[str], list[str
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_response_format_json_schema_answers_follow_the_schema(client, engine, stream):
+def test_chat_response_format_json_schema_answers_follow_the_schema(tiny_client, tiny_engine,
+                                                                    stream):
     # (hotter, kiln-tiny may spend its tokens on the whitespace JSON allows between tokens)
-    texts, reasons = chat_text(client, stream, response_format=JSON_SCHEMA, n=2,
+    texts, reasons = chat_text(tiny_client, stream, response_format=JSON_SCHEMA, n=2,
                                temperature=0.5, seed=2)
     assert len(texts) == 2 and reasons == ["stop", "stop"]
     for text in texts:
         follows_schema(text)
-    assert_idle(engine)
+    assert_idle(tiny_engine)
 
 
-def test_chat_json_schema_answers_as_kiln_llm_does(client):
+def test_chat_json_schema_answers_as_kiln_llm_does(tiny_client):
     llm = kiln.LLM("kiln-tiny", device="cpu", dtype="float32", num_kv_blocks=64)
     [want] = llm.chat(MESSAGES, kiln.SamplingParams(
         temperature=0.0, max_tokens=64,
         structured_outputs=kiln.StructuredOutputsParams(json=SCHEMA)))
-    texts, _ = chat_text(client, False, response_format=JSON_SCHEMA, temperature=0.0)
+    texts, _ = chat_text(tiny_client, False, response_format=JSON_SCHEMA, temperature=0.0)
     assert texts == [want.outputs[0].text]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_response_format_json_object_answers_a_json_object(client, stream):
-    texts, reasons = chat_text(client, stream, response_format={"type": "json_object"},
+def test_chat_response_format_json_object_answers_a_json_object(tiny_client, stream):
+    texts, reasons = chat_text(tiny_client, stream, response_format={"type": "json_object"},
                                temperature=0.0,
                                messages=[{"role": "user", "content": "Give me a JSON object."}])
     assert reasons == ["stop"] and isinstance(json.loads(texts[0]), dict), texts
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_guided_choice_and_regex_through_extra_body(client, engine, stream):
-    texts, reasons = completion_text(client, stream, n=3, temperature=1.5, seed=1,
+def test_guided_choice_and_regex_through_extra_body(tiny_client, tiny_engine, stream):
+    texts, reasons = completion_text(tiny_client, stream, n=3, temperature=1.5, seed=1,
                                      extra_body={"guided_choice": CHOICES})
     assert reasons == ["stop"] * 3 and set(texts) <= set(CHOICES), texts
-    texts, reasons = completion_text(client, stream, n=2, temperature=1.0, seed=2,
+    texts, reasons = completion_text(tiny_client, stream, n=2, temperature=1.0, seed=2,
                                      extra_body={"guided_regex": REGEX})
     assert reasons == ["stop"] * 2 and all(re.fullmatch(REGEX, t) for t in texts), texts
-    texts, _ = chat_text(client, stream, extra_body={"guided_choice": CHOICES})
+    texts, _ = chat_text(tiny_client, stream, extra_body={"guided_choice": CHOICES})
     assert texts[0] in CHOICES
-    assert_idle(engine)
+    assert_idle(tiny_engine)
 
 
 @pytest.mark.parametrize("body", [
     {"guided_json": json.dumps(SCHEMA)},
     {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
     {"response_format": JSON_SCHEMA}])  # vLLM takes response_format on completions too
-def test_a_schema_in_each_of_vllms_ways(client, body):
-    texts, reasons = completion_text(client, False, temperature=0.0, max_tokens=64,
+def test_a_schema_in_each_of_vllms_ways(tiny_client, body):
+    texts, reasons = completion_text(tiny_client, False, temperature=0.0, max_tokens=64,
                                      extra_body=body)
     assert reasons == ["stop"]
     follows_schema(texts[0])
 
 
-def test_structured_outputs_grammar_and_choice(client):
+def test_structured_outputs_grammar_and_choice(tiny_client):
     grammar = 'root ::= "x = " [1-9] [0-9]? ";"'
-    texts, _ = completion_text(client, False, extra_body={"structured_outputs": {
+    texts, _ = completion_text(tiny_client, False, extra_body={"structured_outputs": {
         "grammar": grammar}})
     assert re.fullmatch(r"x = [1-9]\d?;", texts[0]), texts
-    texts, _ = completion_text(client, False, extra_body={"guided_grammar": grammar})
+    texts, _ = completion_text(tiny_client, False, extra_body={"guided_grammar": grammar})
     assert re.fullmatch(r"x = [1-9]\d?;", texts[0]), texts
-    texts, _ = chat_text(client, True, extra_body={"structured_outputs": {"choice": CHOICES}})
+    texts, _ = chat_text(tiny_client, True, extra_body={"structured_outputs": {"choice": CHOICES}})
     assert texts[0] in CHOICES
 
 
@@ -179,15 +165,16 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"ty
     (True, {"guided_choice": ["a"], "response_format": {"type": "json_object"}},
      "response_format", "guided_choice and response_format each ask for structured outputs"),
 ])
-def test_bad_structured_outputs_are_400s_naming_the_field(client, engine, chat, body, param,
-                                                          says):
+def test_bad_structured_outputs_are_400s_naming_the_field(tiny_client, tiny_engine, chat, body,
+                                                          param, says):
     with pytest.raises(openai.BadRequestError) as caught:
         if chat:
-            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
-                                           extra_body=body)
+            tiny_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                                extra_body=body)
         else:
-            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=body)
+            tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                           extra_body=body)
     error = caught.value.body
     assert error["param"] == param and says in error["message"], error
     assert ".cc:" not in error["message"]  # xgrammar's source lines stay out of it
-    assert_idle(engine)
+    assert_idle(tiny_engine)

@@ -11,11 +11,9 @@ import httpx
 import openai
 import pytest
 
-from kiln.engine.async_engine import AsyncEngine
-from kiln.serve.app import create_app
 from kiln.serve.tools import complete_calls
 
-from .conftest import MODEL, ServerThread, assert_idle
+from .conftest import MODEL, assert_idle, kiln_tiny_server
 
 UNITS = ["celsius", "fahrenheit"]
 WEATHER = {"type": "function", "function": {
@@ -60,32 +58,18 @@ def follows_its_tool(call) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_server():
-    engine = AsyncEngine.from_kwargs("kiln-tiny", dtype="float32", device="cpu",
-                                     num_kv_blocks=128)
-    app = create_app(engine, served_model_name=MODEL, chat_template=TEMPLATE)
-    with ServerThread(app) as srv:
-        yield srv, engine
-    engine.shutdown()
+    with kiln_tiny_server(chat_template=TEMPLATE) as served:
+        yield served
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tiny_server[0].url + "/v1", api_key="unused", max_retries=0)
+def create(tiny_client, **kwargs):
+    return tiny_client.chat.completions.create(**{"model": MODEL, "messages": MESSAGES,
+                                                  "tools": TOOLS, "max_tokens": 64, **kwargs})
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_server) -> AsyncEngine:
-    return tiny_server[1]
-
-
-def create(client, **kwargs):
-    return client.chat.completions.create(**{"model": MODEL, "messages": MESSAGES,
-                                             "tools": TOOLS, "max_tokens": 64, **kwargs})
-
-
-def test_named_tool_choice_answers_that_call(client, engine):
+def test_named_tool_choice_answers_that_call(tiny_client, tiny_engine):
     # (hotter, kiln-tiny may spend its tokens on the whitespace JSON allows between tokens)
-    result = create(client, tool_choice=NAMED, n=2, temperature=0.3, seed=2)
+    result = create(tiny_client, tool_choice=NAMED, n=2, temperature=0.3, seed=2)
     assert len(result.choices) == 2
     ids = set()
     for choice in result.choices:
@@ -97,14 +81,14 @@ def test_named_tool_choice_answers_that_call(client, engine):
         assert len(call.id) == len("chatcmpl-tool-") + 32
         ids.add(call.id)
     assert len(ids) == 2
-    assert_idle(engine)
+    assert_idle(tiny_engine)
 
 
-def stream_calls(client, **kwargs) -> tuple[dict[int, list[dict]], dict[int, str]]:
+def stream_calls(tiny_client, **kwargs) -> tuple[dict[int, list[dict]], dict[int, str]]:
     """Each choice's calls reassembled from the deltas, and its finish reason."""
     calls: dict[int, list[dict]] = {}
     reasons: dict[int, str] = {}
-    for chunk in create(client, stream=True, **kwargs):
+    for chunk in create(tiny_client, stream=True, **kwargs):
         for c in chunk.choices:
             assert not c.delta.content, c  # (only the role chunk's "")
             for delta in c.delta.tool_calls or []:
@@ -120,41 +104,41 @@ def stream_calls(client, **kwargs) -> tuple[dict[int, list[dict]], dict[int, str
     return calls, reasons
 
 
-def test_named_tool_choice_streamed_as_vllm_streams_it(client, engine):
-    calls, reasons = stream_calls(client, tool_choice=NAMED, temperature=0.0)
-    want = create(client, tool_choice=NAMED, temperature=0.0).choices[0].message.tool_calls[0]
+def test_named_tool_choice_streamed_as_vllm_streams_it(tiny_client, tiny_engine):
+    calls, reasons = stream_calls(tiny_client, tool_choice=NAMED, temperature=0.0)
+    want = create(tiny_client, tool_choice=NAMED, temperature=0.0).choices[0].message.tool_calls[0]
     [call] = calls[0]
     assert reasons == {0: "tool_calls"}  # vLLM's once a stream has sent a call
     assert call["name"] == "get_weather" and call["id"].startswith("chatcmpl-tool-")
     assert call["arguments"] == want.function.arguments
     follows_weather(call["arguments"])
-    calls, reasons = stream_calls(client, tool_choice=NAMED, n=2, temperature=0.3, seed=2)
+    calls, reasons = stream_calls(tiny_client, tool_choice=NAMED, n=2, temperature=0.3, seed=2)
     assert set(calls) == {0, 1} and reasons == {0: "tool_calls", 1: "tool_calls"}
     for choice_calls in calls.values():
         [call] = choice_calls
         follows_weather(call["arguments"])
-    assert_idle(engine)
+    assert_idle(tiny_engine)
 
 
-def test_required_answers_one_or_more_calls_of_the_tools(client, engine):
-    result = create(client, tool_choice="required", n=2, temperature=0.5, seed=1,
+def test_required_answers_one_or_more_calls_of_the_tools(tiny_client, tiny_engine):
+    result = create(tiny_client, tool_choice="required", n=2, temperature=0.5, seed=1,
                     max_tokens=128)
     for choice in result.choices:
         assert choice.finish_reason == "stop" and choice.message.content == ""
         assert len(choice.message.tool_calls) >= 1
         for call in choice.message.tool_calls:
             follows_its_tool(call)
-    streamed, reasons = stream_calls(client, tool_choice="required", n=2, temperature=0.5,
+    streamed, reasons = stream_calls(tiny_client, tool_choice="required", n=2, temperature=0.5,
                                      seed=1, max_tokens=128)
     assert reasons == {0: "tool_calls", 1: "tool_calls"}
     for index, choice in enumerate(result.choices):  # the same seed samples the same calls
         assert [(c["name"], c["arguments"]) for c in streamed[index]] == [
             (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
-    assert_idle(engine)
+    assert_idle(tiny_engine)
 
 
-def test_tool_choice_none_answers_content_and_still_shows_the_tools(client, tiny_server):
-    result = create(client, tool_choice="none", max_tokens=8)
+def test_tool_choice_none_answers_content_and_still_shows_the_tools(tiny_client, tiny_server):
+    result = create(tiny_client, tool_choice="none", max_tokens=8)
     assert result.choices[0].message.tool_calls in (None, [])  # (vLLM sends [])
     assert isinstance(result.choices[0].message.content, str)
     url = tiny_server[0].url
@@ -164,13 +148,13 @@ def test_tool_choice_none_answers_content_and_still_shows_the_tools(client, tiny
     assert result.usage.prompt_tokens == tokens["count"]
 
 
-def test_a_history_of_calls_and_their_answers_reaches_the_template(client, tiny_server):
+def test_a_history_of_calls_and_their_answers_reaches_the_template(tiny_client, tiny_server):
     history = [*MESSAGES,
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "call_1", "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
-    result = create(client, messages=history, tool_choice="none", max_tokens=4)
+    result = create(tiny_client, messages=history, tool_choice="none", max_tokens=4)
     assert result.choices[0].finish_reason in ("stop", "length")
     url = tiny_server[0].url
     tokens = httpx.post(url + "/tokenize", json={"messages": history}).json()["tokens"]
@@ -219,24 +203,23 @@ BAD_PARAMETERS = {"type": "function", "function": {"name": "f", "parameters": {"
      "messages.0.tool_calls.0.function.arguments",
      "messages.0.tool_calls.0.function.arguments is not JSON text"),
 ])
-def test_what_kiln_cannot_do_and_bad_tools_are_400s_naming_the_field(client, engine, body,
+def test_what_kiln_cannot_do_and_bad_tools_are_400s_naming_the_field(tiny_client, tiny_engine, body,
                                                                      param, says):
     body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 2, **body}
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(**{k: v for k, v in body.items()
-                                          if k in ("model", "messages", "max_tokens")},
-                                       extra_body={k: v for k, v in body.items()
-                                                   if k not in ("model", "messages",
-                                                                "max_tokens")})
+        sent = ("model", "messages", "max_tokens")  # as arguments; the rest as extra_body
+        tiny_client.chat.completions.create(
+            **{k: v for k, v in body.items() if k in sent},
+            extra_body={k: v for k, v in body.items() if k not in sent})
     error = caught.value.body
     assert error["param"] == param and says in error["message"], error
-    assert_idle(engine)
+    assert_idle(tiny_engine)
 
 
-def test_auto_without_tools_still_answers(client):
+def test_auto_without_tools_still_answers(tiny_client):
     # clients send tool_choice "auto" on requests without tools; a plain answer meets it
-    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
-                                            tool_choice="auto")
+    result = tiny_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                                 tool_choice="auto")
     assert isinstance(result.choices[0].message.content, str)
 
 
