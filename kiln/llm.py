@@ -91,11 +91,14 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation ([{"role": ..., "content": ...}, ...]) or a
         list of them, rendered with the model's chat template (or ``chat_template``, a Jinja
         string) and generated as ``generate`` does; one ``RequestOutput`` per conversation.
-        ``chat_template_kwargs`` are the template's own variables (Qwen3's enable_thinking)."""
+        ``chat_template_kwargs`` are the template's own variables (Qwen3's enable_thinking);
+        ``tools`` (OpenAI's function entries) are the template's, for it to describe them, as in
+        vLLM (to force a call, constrain the output with structured outputs)."""
         if not messages:
             raise ValueError("messages is empty; give a conversation or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -104,5 +107,5 @@ class LLM:
             raise ValueError("this model has no chat template: pass chat_template= (a Jinja "
                              "string), or generate() from a prompt")
         prompts = [render_chat(self.tokenizer, c, template, add_generation_prompt,
-                               chat_template_kwargs) for c in conversations]
+                               chat_template_kwargs, tools) for c in conversations]
         return self.generate(prompts, sampling_params)

@@ -43,6 +43,21 @@ def test_template_and_its_variables_can_be_given(llm):
     assert out.prompt_token_ids == expected
 
 
+def test_tools_reach_the_template(llm):
+    """As vLLM's LLM.chat(tools=...): the template describes them; no call is forced."""
+    template = ("{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
+                "{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    [out] = llm.chat(CONVERSATION, GREEDY, chat_template=template, tools=tools)
+    expected = llm.tokenizer.encode("[get_weather]Be brief.|Name a colour.|",
+                                    add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+    [plain] = llm.chat(CONVERSATION, GREEDY, chat_template=template)
+    assert plain.prompt_token_ids == llm.tokenizer.encode("Be brief.|Name a colour.|",
+                                                          add_special_tokens=False)
+
+
 @pytest.mark.parametrize("messages", [[], [[]], [CONVERSATION, []]])
 def test_empty_conversations_are_clear_errors(llm, messages):
     with pytest.raises(ValueError, match="messages is empty"):
