@@ -85,13 +85,14 @@ def _required_schema(tools: list[Tool]) -> dict[str, Any]:
     return {**schema, "$defs": defs} if defs else schema
 
 
-def _named_function(choice: dict[str, Any], tools: list[Tool]) -> tuple[str, int]:
-    """The named choice's function and its index in ``tools``."""
-    function = choice.get("function")
+def _named_function(choice: Any, tools: list[Tool]) -> tuple[str, int]:
+    """The named choice's function and its index in ``tools``; 400 for any other choice."""
+    function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
-    if choice.get("type") != "function" or not isinstance(name, str):
+    if not isinstance(name, str) or choice.get("type") != "function":
+        got = json.dumps(choice) if isinstance(choice, dict) else repr(choice)
         raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or "
-                            f"{_NAMED_SHAPE}; got {json.dumps(choice)}", param="tool_choice")
+                            f"{_NAMED_SHAPE}; got {got}", param="tool_choice")
     index = next((i for i, tool in enumerate(tools) if tool.function.name == name), None)
     if index is None:
         known = ", ".join(repr(tool.function.name) for tool in tools) or "none"
@@ -126,9 +127,6 @@ def tool_request_of(body: ChatCompletionRequest) -> ToolRequest:
                             "send tools, or drop tool_choice", param="tool_choice")
     if choice == "required":
         return ToolRequest(rendered, structured=_structured(_required_schema(tools), "tools"))
-    if not isinstance(choice, dict):
-        raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or "
-                            f"{_NAMED_SHAPE}; got {choice!r}", param="tool_choice")
     name, index = _named_function(choice, tools)
     param = f"tools.{index}.function.parameters"
     return ToolRequest(rendered, function=name,
