@@ -59,10 +59,11 @@ class ServerThread:
 
 
 @contextmanager
-def kiln_tiny_server(**app_options: Any) -> Iterator[tuple[ServerThread, AsyncEngine]]:
+def kiln_tiny_server(device: str = "cpu", **app_options: Any
+                     ) -> Iterator[tuple[ServerThread, AsyncEngine]]:
     """A server around kiln-tiny (its trained tokenizer: grammars and templates behave as with a
-    real model) in float32 on the CPU, and its engine; ``app_options`` go to create_app."""
-    engine = AsyncEngine.from_kwargs("kiln-tiny", dtype="float32", device="cpu",
+    real model) in float32 on ``device``, and its engine; ``app_options`` go to create_app."""
+    engine = AsyncEngine.from_kwargs("kiln-tiny", dtype="float32", device=device,
                                      num_kv_blocks=128)
     with ServerThread(create_app(engine, served_model_name=MODEL, **app_options)) as srv:
         yield srv, engine
