@@ -128,15 +128,18 @@ def floors_ms(step: Step, arch: ArchConfig, elsize: int, roofs: dict[str, Any],
 def step_table(clock: StepClock, arch: ArchConfig, elsize: int, roofs: dict[str, Any],
                prefill_tflops: float) -> dict[str, Any]:
     steps = clock.steps
-    groups: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    groups: dict[str, dict[str, float]] = {}
     for i, step in enumerate(steps):
-        group = groups[step.kind]
+        floors = floors_ms(step, arch, elsize, roofs, prefill_tflops)
+        group = groups.setdefault(step.kind, dict.fromkeys(
+            ["steps", "device_ms", "host_launch_ms", "idle_after_ms",
+             *(f"floor {name} ms" for name in floors)], 0.0))
         group["steps"] += 1
         group["device_ms"] += clock.apart_ms(step.start, step.end)
         group["host_launch_ms"] += step.host_ms
         if i + 1 < len(steps):  # idle before the next step starts, charged to this one
             group["idle_after_ms"] += max(clock.apart_ms(step.end, steps[i + 1].start), 0.0)
-        for name, ms in floors_ms(step, arch, elsize, roofs, prefill_tflops).items():
+        for name, ms in floors.items():
             group[f"floor {name} ms"] += ms
     rows = []
     for kind, group in sorted(groups.items()):
