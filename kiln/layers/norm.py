@@ -15,8 +15,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor | None = None,
                 quant: RowQuant | None = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual). With
-        ``quant`` (what the linear layer after the norm asks for) norm(...) comes as codes."""
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual); a None x
+        has been added into the residual already (by the GEMM before, Linear's ``residual``):
+        (norm(residual), residual). With ``quant`` (what the linear layer after the norm asks
+        for) norm(...) comes as codes."""
+        if x is None:
+            return rms_norm(residual, self.weight, self.eps, quant=quant), residual
         return rms_norm(x, self.weight, self.eps, residual, quant)

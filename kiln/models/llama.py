@@ -50,8 +50,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, cfg.head_dim,
                               cfg.layer_windows[layer_idx])
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The attention output, or None where o_proj added it into ``residual`` (Linear)."""
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -60,7 +61,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: before rotary, which runs inside self.attn
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, meta, positions, self.rotary.cos_sin_cache))
+        return self.o_proj(self.attn(q, k, v, meta, positions, self.rotary.cos_sin_cache),
+                           residual=residual)
 
 
 class LlamaMLP(nn.Module):
@@ -72,10 +74,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
                                       tp=tp)
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows,
+                residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The MLP output, or None where down_proj added it into ``residual`` (Linear)."""
         # a W8A8 down projection takes its input as codes: quantized with the activation
         quant = self.down_proj.input_quant(x.shape[:-1].numel())
-        return self.down_proj(self.gate_up_proj(x, gated=True, out_quant=quant))
+        return self.down_proj(self.gate_up_proj(x, gated=True, out_quant=quant),
+                              residual=residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -87,8 +92,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | None,
+                residual: torch.Tensor | None, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(x, residual) -> (the MLP's output, the residual stream). The first layer gets the
+        embeddings as x and no residual. A None x is an output already added into the residual
+        by the GEMM that made it (Linear's ``residual``)."""
         # a W8A8 projection takes its input as codes, written by the norm before it
         num_rows = positions.shape[0]
         quant = self.self_attn.qkv_proj.input_quant(num_rows)
@@ -97,10 +106,10 @@ class LlamaDecoderLayer(nn.Module):
             x = self.input_layernorm(x, quant=quant)
         else:
             x, residual = self.input_layernorm(x, residual, quant)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(positions, x, meta, residual)
         x, residual = self.post_attention_layernorm(
             x, residual, self.mlp.gate_up_proj.input_quant(num_rows))
-        return self.mlp(x), residual
+        return self.mlp(x, residual), residual
 
 
 class LlamaForCausalLM(nn.Module):
