@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kiln.kernels.gemm import DENSE_MAX_M, dense_gemm_applies, gemm_triton
+from kiln.kernels.gemm import dense_gemm_applies, gemm_triton
 from kiln.kernels.quant_gemm import dense_gemv, dense_gemv_applies, linear
 from kiln.kernels.row_quant import QuantizedRows, RowQuant, quantize_rows
 from kiln.parallel import SINGLE, TPContext
@@ -27,13 +27,16 @@ class LinearMethod(Protocol):
     wants silu(gate) * up (formats fuse it into a decode GEMV's epilogue where they can).
     ``out_quant``: the next layer wants the result as codes (its ``input_quant``); a format may
     return them (``QuantizedRows``, fusing the quantization), or the tensor, which ``Linear``
-    then quantizes."""
+    then quantizes. ``residual``: the decoder's residual stream [..., out]; a format whose GEMM
+    can add the result into it in place does so and returns None, else it returns the result
+    (the RMSNorm after the layer then adds it)."""
 
     def process_weights_after_loading(self, layer: Linear) -> None: ...
 
     def apply(self, layer: Linear, x: torch.Tensor | QuantizedRows,
               out_dtype: torch.dtype | None = None, gated: bool = False,
-              out_quant: RowQuant | None = None) -> torch.Tensor | QuantizedRows: ...
+              out_quant: RowQuant | None = None, residual: torch.Tensor | None = None
+              ) -> torch.Tensor | QuantizedRows | None: ...
 
     def input_quant(self, layer: Linear, num_rows: int) -> RowQuant | None:
         """How ``apply`` wants ``num_rows`` input rows quantized, so that the RMSNorm before the
@@ -49,28 +52,16 @@ class DenseLinearMethod:
     def input_quant(self, layer: Linear, num_rows: int) -> RowQuant | None:
         return None
 
-    def adds_residual(self, layer: Linear, x: torch.Tensor) -> bool:
-        """Whether ``add_into`` runs for x: cuBLAS' rows (past the decode GEMV's and the tile
-        GEMM's) on CUDA, no bias, one rank (a row-parallel partial sum is reduced first)."""
-        return (x.is_cuda and layer.bias is None and layer.tp.size == 1
-                and x.shape[:-1].numel() > DENSE_MAX_M)
-
-    def add_into(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor) -> None:
-        """residual += x W^T in place, added in the GEMM's epilogue (addmm_, beta = 1): the RMSNorm
-        after it then reads the sum alone, two passes over [M, hidden] where the norm's fused
-        residual add makes four (H100, Llama-3.1-8B o_proj + norm at 16384 rows: 874-894 against
-        937-949 us; benchmarks/results/h100/residual_epilogue.txt)."""
-        residual.view(-1, residual.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), layer.weight.t())
-
     def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
-              gated: bool = False, out_quant: RowQuant | None = None) -> torch.Tensor:
+              gated: bool = False, out_quant: RowQuant | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor | None:
         if dense_gemv_applies(x, layer.weight):  # a decode row: the streaming GEMV
             return dense_gemv(x, layer.weight, layer.bias, out_dtype, gated=gated)
         if dense_gemm_applies(x, layer.weight):  # a decode batch: the tile GEMM
             y = gemm_triton(x.reshape(-1, x.shape[-1]).contiguous(), layer.weight, layer.bias,
                             out_dtype, gated=gated)
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        return linear(x, layer.weight, layer.bias, out_dtype, gated)
+        return linear(x, layer.weight, layer.bias, out_dtype, gated, residual)
 
 
 class Linear(nn.Module):
@@ -110,16 +101,13 @@ class Linear(nn.Module):
         format adds it in its GEMM (then None is returned; else the result, for the RMSNorm's
         fused residual add)."""
         assert not gated or (not self.reduce_output and list(self.shards) == ["gate", "up"])
-        if (residual is not None and isinstance(self.method, DenseLinearMethod)
-                and isinstance(x, torch.Tensor) and self.method.adds_residual(self, x)):
-            self.method.add_into(self, x, residual)
-            return None
-        if self.reduce_output:  # codes of the reduced sum only
-            y = self.tp.all_reduce(self.method.apply(self, x, gated=gated))
+        assert residual is None or (out_quant is None and not gated)
+        if self.reduce_output and self.tp.size > 1:  # the reduced sum; the norm adds it
+            y = self.tp.all_reduce(self.method.apply(self, x))
         else:
-            y = self.method.apply(self, x, gated=gated, out_quant=out_quant)
+            y = self.method.apply(self, x, gated=gated, out_quant=out_quant, residual=residual)
         if out_quant is None or isinstance(y, QuantizedRows):
-            return y
+            return y  # None: added into the residual
         codes, scales = quantize_rows(y, out_quant)
         return QuantizedRows(codes.reshape(*y.shape), scales)
 

@@ -142,9 +142,11 @@ class WeightOnlyMethod:
         return None
 
     def apply(self, layer: Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None,
-              gated: bool = False, out_quant: RowQuant | None = None) -> torch.Tensor:
+              gated: bool = False, out_quant: RowQuant | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor | None:
         return wint_linear(x, layer.qweight, layer.scales, layer.zeros, self.bits,
-                           self.group_size, layer.perm, layer.smooth, layer.bias, out_dtype, gated)
+                           self.group_size, layer.perm, layer.smooth, layer.bias, out_dtype, gated,
+                           residual)
 
 
 class W8A8Method:
@@ -218,7 +220,9 @@ class W8A8Method:
 
     def apply(self, layer: Linear, x: torch.Tensor | QuantizedRows,
               out_dtype: torch.dtype | None = None, gated: bool = False,
-              out_quant: RowQuant | None = None) -> torch.Tensor | QuantizedRows:
+              out_quant: RowQuant | None = None, residual: torch.Tensor | None = None
+              ) -> torch.Tensor | QuantizedRows:
+        """The result always (``residual``: _scaled_mm / _int_mm take no addend)."""
         if not isinstance(x, QuantizedRows) and self._weight_only(layer,
                                                                    x.shape[:-1].numel()):
             # silu_and_mul after the GEMV even where its epilogue could take it: with e4m3

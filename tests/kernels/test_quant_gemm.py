@@ -373,3 +373,26 @@ def test_gpu_dense_gemv(n, k):
     bias = torch.randn(n, generator=gen).bfloat16().cuda()
     assert_rel_close(qg.dense_gemv(x, weight, bias).double(), ref + bias.double(), 1e-2,
                      f"bf16 {n}x{k} + bias")
+
+
+@gpu
+@pytest.mark.parametrize("rows", [16, 4099])
+def test_gpu_residual_added_where_the_rows_dequantize_for_cublas(rows):
+    """wint_linear(residual=r): where the rows take dequantize + cuBLAS, cuBLAS adds the result
+    into r in its epilogue and None comes back; on the Triton paths the result comes back and r
+    is left alone (tests/models/test_residual_epilogue.py: the dense layers)."""
+    gen = torch.Generator().manual_seed(rows)
+    qweight, scales, zeros, w64 = make_weight(512, 1024, 4, 128, True, gen=gen)
+    args = (qweight.cuda(), scales.to("cuda", torch.bfloat16), None, 4, 128)
+    x = torch.randn(rows, 1024, generator=gen).to("cuda", torch.bfloat16)
+    residual = torch.randn(rows, 512, generator=gen).to("cuda", torch.bfloat16)
+    before = residual.clone()
+    out = qg.wint_linear(x, *args, residual=residual)
+    cublas = not (rows <= qg.FUSED_MAX_M[4] or qg._mma_applies(x, args[0], None, None, 4, 128)
+                  or qg._ws_takes(x, args[0], args[1], None, None, None, 4, 128, None))
+    assert (out is None) == cublas
+    if out is not None:
+        assert torch.equal(residual, before)
+        residual = before + out
+    expected = before.double() + naive(x, w64.cuda())
+    assert_rel_close(residual.double(), expected, 2e-2)

@@ -1,7 +1,8 @@
 """o_proj and down_proj add their output into the residual stream in cuBLAS' epilogue where they
-run on cuBLAS (dense weights, past the decode GEMV's and the tile GEMM's rows, on CUDA); the
-RMSNorm after them then has no residual to add. Everywhere else the output comes back for the
-norm's fused add, as before."""
+run on cuBLAS (dense weights past the decode GEMV's and the tile GEMM's rows; the weight-only
+formats' dequantize + cuBLAS rows, tests/kernels/test_quant_gemm.py), on CUDA; the RMSNorm after
+them then has no residual to add. Everywhere else the output comes back for the norm's fused
+add, as before."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 from hf_reference import hf_model, random_prompts
 
+from kiln.kernels import quant_gemm
 from kiln.kernels.gemm import DENSE_MAX_M
-from kiln.layers.linear import DenseLinearMethod, row_parallel
+from kiln.layers.linear import row_parallel
 from kiln.layers.norm import RMSNorm
 from kiln.models import load_model
 
@@ -24,6 +26,12 @@ def _layer(in_features: int, out_features: int, device: str, dtype: torch.dtype)
     return layer.to(device, dtype)
 
 
+def _inputs(rows: int, k: int, n: int, device: str, dtype: torch.dtype):
+    gen = torch.Generator(device=device).manual_seed(rows)
+    return (torch.randn(rows, k, generator=gen, device=device, dtype=dtype),
+            torch.randn(rows, n, generator=gen, device=device, dtype=dtype))
+
+
 def test_none_x_norms_the_residual_alone():
     norm = RMSNorm(64, 1e-6)
     norm.weight.data = torch.randn(64)
@@ -35,33 +43,34 @@ def test_none_x_norms_the_residual_alone():
 
 def test_off_cuda_the_output_comes_back_and_the_residual_is_left_alone():
     layer = _layer(128, 64, "cpu", torch.float32)
-    x, residual = torch.randn(DENSE_MAX_M + 40, 128), torch.randn(DENSE_MAX_M + 40, 64)
+    x, residual = _inputs(DENSE_MAX_M + 40, 128, 64, "cpu", torch.float32)
     before = residual.clone()
     out = layer(x, residual=residual)
     torch.testing.assert_close(out, x @ layer.weight.t())
     assert torch.equal(residual, before)
 
 
+def check_residual_sum(out: torch.Tensor | None, residual: torch.Tensor, before: torch.Tensor,
+                       product: torch.Tensor, fused: bool) -> None:
+    """``fused``: the result was added into ``residual`` (and None returned), else returned and
+    ``residual`` left alone; either way the sum is ``before + product`` at bf16 rounding."""
+    assert (out is None) == fused
+    if not fused:
+        assert torch.equal(residual, before)
+        residual = before + out
+    torch.testing.assert_close(residual.float(), before.float() + product, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("rows", [1, DENSE_MAX_M, DENSE_MAX_M + 1, 512, 4099])
-def test_gpu_residual_added_in_the_epilogue_past_the_triton_rows(rows):
+def test_gpu_dense_adds_the_residual_in_the_epilogue_past_the_triton_rows(rows):
     layer = _layer(1024, 512, "cuda", torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, 1024, generator=gen, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn(rows, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
-    expected = (residual.float() + x.float() @ layer.weight.float().t())
+    x, residual = _inputs(rows, 1024, 512, "cuda", torch.bfloat16)
     before = residual.clone()
     out = layer(x, residual=residual)
-    fused = rows > DENSE_MAX_M
-    assert fused == DenseLinearMethod().adds_residual(layer, x)
-    if fused:
-        assert out is None
-        torch.testing.assert_close(residual.float(), expected, rtol=2e-2, atol=2e-2)
-    else:
-        assert torch.equal(residual, before)
-        torch.testing.assert_close(residual.float() + out.float(), expected, rtol=2e-2,
-                                   atol=2e-2)
+    check_residual_sum(out, residual, before, x.float() @ layer.weight.float().t(),
+                       rows > DENSE_MAX_M)
 
 
 @pytest.mark.gpu
@@ -80,7 +89,9 @@ def test_gpu_llama_logits_with_the_epilogue_add_match_transformers(tiny_model_di
             return loaded.model.full_logits(torch.tensor([prompt], device="cuda"))[0].cpu()
 
     fused = logits()
-    monkeypatch.setattr(DenseLinearMethod, "adds_residual", lambda self, layer, x: False)
+    unfused_linear = quant_gemm.linear
+    monkeypatch.setattr("kiln.layers.linear.linear",
+                        lambda x, w, b=None, o=None, g=False, r=None: unfused_linear(x, w, b, o, g))
     unfused = logits()
     fused_err = (fused - expected).abs().max().item()
     unfused_err = (unfused - expected).abs().max().item()
