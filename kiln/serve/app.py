@@ -41,6 +41,7 @@ from kiln.serve.protocol import (
 )
 from kiln.serve.state import ServerState
 from kiln.serve.streaming import sse
+from kiln.serve.tool_parsers import tool_parser_named
 from kiln.serve.tools import template_tools
 
 log = logging.getLogger("kiln.serve")
@@ -145,16 +146,19 @@ def create_app(engine: AsyncEngine | None = None,
                engine_factory: Callable[[], AsyncEngine] | None = None,
                model_path: str | None = None,
                chat_template: str | None = None,
+               tool_call_parser: str | None = None,
                on_startup_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """An OpenAI-compatible app around ``engine`` (or one ``engine_factory`` builds at start-up).
 
     ``max_waiting`` bounds the engine's waiting queue (429 beyond it); None uses the engine's
-    ``max_waiting_requests``. An engine built by the factory is shut down with the app; one
-    passed in belongs to the caller.
+    ``max_waiting_requests``. ``tool_call_parser`` names the parser of the model's tool-call
+    syntax that tool_choice "auto" needs (vLLM's --tool-call-parser; None refuses "auto"). An
+    engine built by the factory is shut down with the app; one passed in belongs to the caller.
     """
     if (engine is None) == (engine_factory is None):
         raise ValueError("pass exactly one of engine and engine_factory")
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    tool_parser = tool_parser_named(tool_call_parser) if tool_call_parser is not None else None
     state = ServerState(served_model_names=names, keys=KeyChecker(api_keys),
                         max_waiting=max_waiting, model_path=model_path,
                         chat_template=chat_template, engine=engine)
@@ -209,7 +213,7 @@ def create_app(engine: AsyncEngine | None = None,
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        return await create_chat_completion(state, body, request)
+        return await create_chat_completion(state, body, request, tool_parser)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -39,6 +39,7 @@ from kiln.serve.protocol import (
 from kiln.serve.state import ServerState, finite_logprob
 from kiln.serve.streaming import SSEResponse, event_stream
 from kiln.serve.structured import StructuredRequest, compile_grammar, structured_outputs_of
+from kiln.serve.tool_parsers import ToolParser
 from kiln.serve.tools import (
     ToolCallDeltas,
     ToolRequest,
@@ -122,18 +123,24 @@ def _constraint(tools: ToolRequest, structured: StructuredRequest | None
 
 
 def _message(tools: ToolRequest, text: str) -> AssistantMessage:
-    """The answer as content, or as the calls it forces (with content "", as in vLLM)."""
+    """The answer as content, as the calls it forces (with content "", as in vLLM), or under
+    "auto" as the calls the parser finds and the content around them."""
+    if tools.parser is not None:
+        found = tools.parser.parse(text)
+        return AssistantMessage(content=found.content, tool_calls=found.calls)
     if not tools.forced:
         return AssistantMessage(content=text)
     return AssistantMessage(content="", tool_calls=answer_calls(tools, text))
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest,
-                                 request: Request) -> Response | ChatCompletionResponse:
+                                 request: Request, tool_parser: ToolParser | None = None
+                                 ) -> Response | ChatCompletionResponse:
+    """``tool_parser`` reads the calls of tool_choice "auto" (None: "auto" is refused)."""
     engine = state.ready_engine()
     state.check_model(body.model)
     refuse_unsupported(body)
-    tool_request = tool_request_of(body)
+    tool_request = tool_request_of(body, tool_parser)
     # Rejected as OpenAI does, since it would be ignored silently; 0 asks for nothing, so it
     # passes without logprobs, as in vLLM.
     if body.top_logprobs and not body.logprobs:
@@ -151,6 +158,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     params = sampling_params(body, max_tokens, num_top if body.logprobs else None,
                              {"logprobs": "top_logprobs", "max_tokens": max_field},
                              structured=structured)
+    if tool_request.parser is not None and tool_request.parser.keeps_special_tokens:
+        params.skip_special_tokens = False  # its call marker is a special token to keep
     await compile_grammar(engine, structured)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created, tokenizer = int(time.time()), engine.tokenizer
@@ -165,11 +174,16 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             finals = await unless_disconnected(request, collect_finals(outputs))
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
-        # A forced call's finish_reason stays the engine's ("stop"), as in vLLM, which gives
-        # "tool_calls" only to calls its parser found in free text, and to streamed calls.
-        choices = [ChatChoice(index=c.index, message=_message(tool_request, c.text),
-                              logprobs=logprobs_of(c, 0), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason) for c in finals[0].outputs]
+        choices = []
+        for c in finals[0].outputs:
+            message = _message(tool_request, c.text)
+            # A forced call's finish_reason stays the engine's ("stop"), as in vLLM, which
+            # gives "tool_calls" only to calls its parser found, and to streamed calls.
+            found = tool_request.parser is not None and bool(message.tool_calls)
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=logprobs_of(c, 0),
+                                      finish_reason="tool_calls" if found else c.finish_reason,
+                                      stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
                                       choices=choices, usage=usage_of([prompt], finals),
                                       prompt_logprobs=prompt_logprobs_of(state, tokenizer,
@@ -180,7 +194,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     except (ValueError, TypeError) as exc:
         raise bad_request(exc) from None
     tracker = DeltaTracker()
-    tool_deltas = ToolCallDeltas(tool_request) if tool_request.forced else None
+    tool_deltas = ToolCallDeltas(tool_request) if tool_request.may_call else None
     finals: dict[int, RequestOutput] = {}
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -197,7 +211,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             num_chars, num_tokens = already
             finish_reason = c.finish_reason
             if tool_deltas is not None:
-                delta = tool_deltas.delta(c.index, c.text, num_chars)
+                delta = tool_deltas.delta(c.index, c.text, num_chars, c.finished)
                 if finish_reason is not None and tool_deltas.called(c.index):
                     finish_reason = "tool_calls"  # as vLLM ends a stream that sent calls
             else:
@@ -205,7 +219,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             logprobs = logprobs_of(c, num_tokens)
             if tool_deltas is not None and not delta and logprobs is None \
                     and finish_reason is None:
-                continue  # a "required" call still being written: nothing to say, as vLLM
+                continue  # a call (or a marker) still being written: nothing to say, as vLLM
             yield chunk([{"index": c.index, "delta": delta,
                           "logprobs": logprobs.model_dump() if logprobs else None,
                           "finish_reason": finish_reason, "stop_reason": c.stop_reason}],

@@ -24,6 +24,7 @@ import uvicorn
 from kiln.cli_options import engine_options
 from kiln.serve.auth import API_KEY_ENV, load_api_keys
 from kiln.serve.state import ServerState
+from kiln.serve.tool_parsers import TOOL_PARSERS
 from kiln.zoo import DEFAULT_MODEL
 
 log = logging.getLogger("kiln.serve")
@@ -94,6 +95,18 @@ def _listen(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+def _auto_tool_choice(enabled: bool, parser: str | None) -> str | None:
+    """The parser of tool_choice "auto", None while it is off: both flags or neither, as vLLM
+    requires."""
+    if enabled and parser is None:
+        raise click.UsageError(f"--enable-auto-tool-choice needs --tool-call-parser, the model's "
+                               f"tool-call syntax: one of {', '.join(TOOL_PARSERS)}")
+    if parser is not None and not enabled:
+        raise click.UsageError(f"--tool-call-parser {parser} is used only with "
+                               f"--enable-auto-tool-choice; pass both, or neither")
+    return parser
+
+
 def _read_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
@@ -114,6 +127,12 @@ def _read_chat_template(value: str | None) -> str | None:
               help="model name(s) the API answers to (default: the --model value)")
 @click.option("--chat-template", default=None,
               help="Jinja chat template, or a file holding one (default: the tokenizer's)")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help='answer tool_choice "auto" (the default with tools): the model decides, and '
+                   "--tool-call-parser finds its calls")
+@click.option("--tool-call-parser", type=click.Choice(list(TOOL_PARSERS)), default=None,
+              help="the model's tool-call syntax (with --enable-auto-tool-choice): hermes (Hermes,"
+                   " Qwen2.5, Qwen3), llama3_json (Llama 3.1 / 3.2), mistral")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
               help="seconds in-flight requests may take to finish after SIGTERM")
 @click.option("--access-log/--no-access-log", default=True, show_default=True,
@@ -121,6 +140,7 @@ def _read_chat_template(value: str | None) -> str | None:
 @engine_options
 def serve_command(model: str, host: str, port: int, api_keys: tuple[str, ...],
                   served_model_names: tuple[str, ...], chat_template: str | None,
+                  enable_auto_tool_choice: bool, tool_call_parser: str | None,
                   shutdown_timeout: float, access_log: bool,
                   engine_kwargs: dict[str, Any]) -> None:
     """Serve MODEL behind an OpenAI-compatible HTTP API (completions, chat, metrics)."""
@@ -129,6 +149,7 @@ def serve_command(model: str, host: str, port: int, api_keys: tuple[str, ...],
     from kiln.engine.llm_engine import LLMEngine
     from kiln.serve.app import create_app
 
+    tool_call_parser = _auto_tool_choice(enable_auto_tool_choice, tool_call_parser)
     try:
         config = EngineConfig.from_kwargs(model, **engine_kwargs)  # bad flags fail before binding
         template = _read_chat_template(chat_template)
@@ -147,7 +168,7 @@ def serve_command(model: str, host: str, port: int, api_keys: tuple[str, ...],
                      api_keys=load_api_keys(api_keys),
                      engine_factory=lambda: AsyncEngine(LLMEngine(config)),
                      model_path=model, chat_template=template,
-                     on_startup_error=on_startup_error)
+                     tool_call_parser=tool_call_parser, on_startup_error=on_startup_error)
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     uv_config = uvicorn.Config(app, log_level=level, access_log=access_log,
                                timeout_graceful_shutdown=shutdown_timeout, lifespan="on")

@@ -257,7 +257,7 @@ class ChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: calls the tool-call parser found, and no text beside them
     tool_calls: list[ToolCall] = Field(default_factory=list)  # always a list, as in vLLM
 
 

@@ -1,13 +1,15 @@
-"""Function calling in chat as vLLM does it without a model-specific tool-call parser: a forced
-call is generated under structured outputs, so its JSON needs no parsing out of free text.
+"""Function calling in chat as vLLM does it: a forced call is generated under structured
+outputs, so its JSON needs no parsing out of free text; under "auto" the model answers freely and
+a parser of its own call syntax (kiln.serve.tool_parsers) finds the calls.
 
 ``tool_choice`` {"type": "function", "function": {"name": N}} constrains the answer to tool N's
 ``parameters`` schema, and the answer is that call's arguments. ``"required"`` constrains it to
 a JSON array of one or more ``{"name": ..., "parameters": ...}`` objects, one per call (an
 anyOf over the tools, as vLLM builds it). ``"none"`` leaves the answer free. ``"auto"``, where
-the model decides, needs a parser for the model's own call syntax, which Kiln does not have
-(vLLM refuses it too without --enable-auto-tool-choice). The tools reach the chat template in
-every case, so that a template that describes them does.
+the model decides, leaves it free too (a request's own structured outputs still apply), and the
+server's tool-call parser reads the calls it holds, if any: a server started without
+--enable-auto-tool-choice --tool-call-parser NAME has none and refuses "auto", as vLLM does.
+The tools reach the chat template in every case, so that a template that describes them does.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.sampling.params import StructuredOutputsParams
 from kiln.serve.errors import APIError
 from kiln.serve.generation import check_text
 from kiln.serve.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, Tool, ToolCall
 from kiln.serve.structured import StructuredRequest
+
+if TYPE_CHECKING:  # (tool_parsers builds its calls with this module's helpers)
+    from kiln.serve.tool_parsers import CallStream, ToolParser
 
 # a tool without parameters is called with an empty object, as OpenAI's tools are
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -34,11 +39,17 @@ class ToolRequest:
     tools: list[dict[str, Any]] | None  # for the chat template; None when the request has none
     function: str | None = None  # the named tool_choice's function; None with "required"
     structured: StructuredRequest | None = None  # the constraint either one needs
+    parser: ToolParser | None = None  # "auto": finds the calls in the free answer
 
     @property
     def forced(self) -> bool:
         """Whether the answer is tool calls rather than content."""
         return self.structured is not None
+
+    @property
+    def may_call(self) -> bool:
+        """Whether the answer may hold tool calls: forced ones, or ones the parser finds."""
+        return self.forced or self.parser is not None
 
 
 def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
@@ -101,8 +112,10 @@ def _named_function(choice: Any, tools: list[Tool]) -> tuple[str, int]:
     return name, index
 
 
-def tool_request_of(body: ChatCompletionRequest) -> ToolRequest:
-    """The request's tools and what its tool_choice asks; 400 naming the field otherwise."""
+def tool_request_of(body: ChatCompletionRequest, parser: ToolParser | None = None
+                    ) -> ToolRequest:
+    """The request's tools and what its tool_choice asks; 400 naming the field otherwise.
+    ``parser`` reads the calls of "auto" answers (None: the server refuses "auto")."""
     sent = body.model_extra or {}
     if sent.get("functions") not in (None, []):
         raise APIError(400, "functions (deprecated by OpenAI) is not supported; send them as "
@@ -118,10 +131,13 @@ def tool_request_of(body: ChatCompletionRequest) -> ToolRequest:
     if choice == "none" or (choice == "auto" and not tools):
         return ToolRequest(rendered)  # (a plain answer meets "auto" when there are no tools)
     if choice == "auto":
+        if parser is not None:
+            return ToolRequest(rendered, parser=parser)
         raise APIError(400, "tool_choice \"auto\" (the default when tools are given) needs a "
-                            "parser for this model's own tool-call syntax, which Kiln does not "
-                            "have; set tool_choice to \"required\", to a named function "
-                            f"{_NAMED_SHAPE}, or to \"none\"", param="tool_choice")
+                            "parser for this model's own tool-call syntax, which this server "
+                            "was not started with (restart it with --enable-auto-tool-choice "
+                            "--tool-call-parser NAME); or set tool_choice to \"required\", to a "
+                            f"named function {_NAMED_SHAPE}, or to \"none\"", param="tool_choice")
     if not tools:
         raise APIError(400, "tool_choice asks for a tool call, but the request has no tools; "
                             "send tools, or drop tool_choice", param="tool_choice")
@@ -159,6 +175,13 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"  # vLLM's random tool-call id
 
 
+def new_call(name: str, arguments: Any, call_id: str | None = None) -> ToolCall:
+    """A call of ``name`` with these arguments as JSON text (as vLLM dumps them), under a new
+    id unless ``call_id`` is given."""
+    return ToolCall(id=call_id or new_call_id(), function=FunctionCall(
+        name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
+
+
 def complete_calls(text: str, start: int = 0) -> tuple[list[ToolCall], int]:
     """The calls of a "required" answer that are complete in ``text`` from ``start``, and where
     the next one begins. The grammar shapes the answer, ``[{"name": ..., "parameters": ...},
@@ -174,8 +197,7 @@ def complete_calls(text: str, start: int = 0) -> tuple[list[ToolCall], int]:
             item, start = _DECODER.raw_decode(text, start)
         except json.JSONDecodeError:
             return calls, start
-        calls.append(ToolCall(id=new_call_id(), function=FunctionCall(
-            name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False))))
+        calls.append(new_call(item["name"], item["parameters"]))
 
 
 def answer_calls(request: ToolRequest, text: str) -> list[ToolCall]:
@@ -189,19 +211,23 @@ def answer_calls(request: ToolRequest, text: str) -> list[ToolCall]:
 
 
 class ToolCallDeltas:
-    """The ``tool_calls`` deltas of a streamed forced answer, choice by choice, in vLLM's shape:
+    """The deltas of a streamed answer that may hold calls, choice by choice, in vLLM's shape:
     a call's first delta carries its ``index``, ``id``, ``type`` and ``function.name``, later
     ones ``function.arguments`` fragments. A named call opens with the first output and its
-    arguments stream as the text does; a "required" call is sent whole once complete (vLLM
-    sends its arguments in fragments too, by parsing the partial JSON)."""
+    arguments stream as the text does; a "required" call, and a call the "auto" parser finds,
+    is sent whole once complete (vLLM sends its arguments in fragments too, by parsing the
+    partial JSON). Under "auto" the content streams too, up to where a call may begin."""
 
     def __init__(self, request: ToolRequest) -> None:
         self._request = request
         self._num_calls: dict[int, int] = {}  # choice index -> calls opened
         self._scanned: dict[int, int] = {}  # choice index -> where its next call begins
+        self._streams: dict[int, CallStream] = {}  # choice index -> its "auto" parse
 
-    def delta(self, choice: int, text: str, num_chars: int) -> dict[str, Any]:
-        """The delta for ``text`` of which ``num_chars`` characters were sent before."""
+    def delta(self, choice: int, text: str, num_chars: int, finished: bool = False
+              ) -> dict[str, Any]:
+        """The delta for ``text`` of which ``num_chars`` characters were sent before
+        (``finished``: the choice's last)."""
         new = text[num_chars:]
         if self._request.function is not None:
             if choice in self._num_calls:
@@ -210,7 +236,16 @@ class ToolCallDeltas:
             return {"tool_calls": [{"index": 0, "id": new_call_id(), "type": "function",
                                     "function": {"name": self._request.function,
                                                  "arguments": new}}]}
+        if self._request.parser is not None:
+            if choice not in self._streams:
+                self._streams[choice] = self._request.parser.stream()
+            found = self._streams[choice].update(text, final=finished)
+            content = {"content": found.content} if found.content else {}
+            return {**content, **self._whole_calls(choice, found.calls)}
         calls, self._scanned[choice] = complete_calls(text, self._scanned.get(choice, 0))
+        return self._whole_calls(choice, calls)
+
+    def _whole_calls(self, choice: int, calls: list[ToolCall]) -> dict[str, Any]:
         first = self._num_calls.setdefault(choice, 0)
         self._num_calls[choice] += len(calls)
         return {"tool_calls": [{"index": first + k, **call.model_dump()}

@@ -216,3 +216,40 @@ def test_listen_on_the_ipv6_wildcard_stays_dual_stack():
             pass
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser, "
+                                    "the model's tool-call syntax: one of hermes, llama3_json, "
+                                    "mistral"),
+    (["--tool-call-parser", "hermes"], "--tool-call-parser hermes is used only with "
+                                       "--enable-auto-tool-choice; pass both, or neither"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "qwen"],
+     "'qwen' is not one of 'hermes', 'llama3_json', 'mistral'"),
+])
+def test_auto_tool_choice_takes_both_flags_or_neither(flags, says):
+    """As vLLM: --enable-auto-tool-choice and a known --tool-call-parser go together; anything
+    else fails before the model loads or the port opens."""
+    port = free_port()
+    result = CliRunner().invoke(main, ["serve", "--port", str(port), *flags])
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert health(f"http://127.0.0.1:{port}") == 0
+
+
+def test_the_tool_call_parser_reaches_the_app(tiny_llama, monkeypatch):
+    import kiln.serve.app
+    import kiln.serve.cli
+
+    class Reached(Exception):
+        pass
+
+    def create_app(**options):
+        raise Reached(options)
+
+    monkeypatch.setattr(kiln.serve.app, "create_app", create_app)
+    monkeypatch.setattr(kiln.serve.cli, "_listen", lambda host, port: [])  # (no socket)
+    result = CliRunner().invoke(main, ["serve", "--model", str(tiny_llama), "--device", "cpu",
+                                       "--enable-auto-tool-choice", "--tool-call-parser",
+                                       "mistral"])
+    assert isinstance(result.exception, Reached), result.output
+    assert result.exception.args[0]["tool_call_parser"] == "mistral"

@@ -203,7 +203,7 @@ FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties"
     (False, {"extra_body": {"logits_processors": ["my.module:Processor"]}}, "logits_processors"),
     (True, {"extra_body": {"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}},
      "guided_whitespace_pattern"),
-    # tools without tool_choice ask for "auto", which needs a tool-call parser Kiln lacks
+    # tools without tool_choice ask for "auto", which needs a server started with a parser
     (True, {"tools": [{"type": "function", "function": FUNCTION}]}, "tool_choice"),
     (True, {"functions": [FUNCTION]}, "functions"),
     (True, {"tool_choice": "required"}, "tool_choice"),

@@ -1,7 +1,8 @@
 """Function calling through the official openai client, as vLLM does it without a tool-call
 parser: a named tool_choice or "required" forces calls whose JSON follows the tools' schemas,
-streaming or not; the tools and a history of calls reach the chat template; what Kiln cannot do
-("auto", the legacy functions) and bad tools are 400s naming the field."""
+streaming or not; the tools and a history of calls reach the chat template; "auto" on a server
+without a tool-call parser (test_tool_auto.py has the parsers), the legacy functions and bad tools
+are 400s naming the field."""
 
 from __future__ import annotations
 
