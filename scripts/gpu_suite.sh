@@ -6,11 +6,16 @@
 #                                   (default: all)
 # Writes everything under $OUT/suite (tarred to $OUT/suite.tgz at the end) and prints a summary.
 # Run from the repository root; kiln is used from the tree (PYTHONPATH=.), nothing is installed.
+# The packages the device lacks (xgrammar, pydantic, fastapi, openai ...): run
+# scripts/device_site.sh here first and carry .whl with the call.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-if [ -d .whl ]; then  # the device has no network: the server/CLI/test packages travel as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+if [ -f .whl/site.tar.xz ]; then  # the device has no network: what it lacks travels packed
+  mkdir -p /tmp/site && tar xJf .whl/site.tar.xz -C /tmp/site  # (scripts/device_site.sh)
+  for m in $(ls /tmp/site | grep -v -e dist-info -e '^_' | sed 's/\.py$//'); do
+    python3 -c "import $m" 2>/dev/null && rm -rf "/tmp/site/$m" "/tmp/site/$m.py"  # the device's
+  done
+  export PYTHONPATH=.:/tmp/site
 fi
 export KILN_GIT_COMMIT=${KILN_GIT_COMMIT:-$(cat .git-commit 2>/dev/null || echo unknown)}
 OUT=${OUT:-out/gpu}
