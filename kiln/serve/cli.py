@@ -132,7 +132,8 @@ def _read_chat_template(value: str | None) -> str | None:
                    "--tool-call-parser finds its calls")
 @click.option("--tool-call-parser", type=click.Choice(list(TOOL_PARSERS)), default=None,
               help="the model's tool-call syntax (with --enable-auto-tool-choice): hermes (Hermes,"
-                   " Qwen2.5, Qwen3), llama3_json (Llama 3.1 / 3.2), mistral")
+                   " Qwen2.5, Qwen3), llama3_json (Llama 3.1 / 3.2), mistral, pythonic (Llama"
+                   " 3.2 / 4)")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
               help="seconds in-flight requests may take to finish after SIGTERM")
 @click.option("--access-log/--no-access-log", default=True, show_default=True,

@@ -6,7 +6,9 @@
 - ``llama3_json`` (Llama 3.1 / 3.2): the whole answer is ``{"name": ..., "parameters": {...}}``
   objects ("arguments" too), maybe after ``<|python_tag|>``, several separated by ``;``;
 - ``mistral``: content, then ``[TOOL_CALLS]`` and a JSON array of
-  ``{"name": ..., "arguments": {...}}``.
+  ``{"name": ..., "arguments": {...}}``;
+- ``pythonic`` (Llama 3.2 / Llama 4): the whole answer is a Python list of calls with keyword
+  arguments, ``[get_weather(days=3), get_time(zone="UTC")]``.
 
 Every format is an answer of content, then a region of calls from where the first call may
 begin. Calls are read one at a time; the first thing in the region that is not a complete call
@@ -18,6 +20,7 @@ the whole text has, whatever the chunks.
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import re
@@ -143,6 +146,19 @@ def _may_become(text: str, i: int, markers: tuple[str, ...]) -> bool:
     return bool(tail) and any(len(m) > len(tail) and m.startswith(tail) for m in markers)
 
 
+def _opens_the_answer(text: str, pos: int, openers: tuple[str, ...]) -> tuple[int, bool]:
+    """``calls_start`` for calls that are the whole answer, opening it (after whitespace) with
+    one of ``openers``: undecided while the answer so far could still open so."""
+    if pos > 0:  # content was decided: only an answer that opens with a call has calls
+        return len(text), False
+    i = _WHITESPACE.match(text).end()
+    if text.startswith(openers, i):
+        return 0, True
+    if i == len(text) or _may_become(text, i, openers):
+        return 0, False
+    return len(text), False
+
+
 class HermesParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
@@ -170,10 +186,16 @@ class HermesParser(ToolParser):
         return call, len(text) if end < 0 else end + len(self.END)
 
 
-class _JsonSequenceParser(ToolParser):
-    """Calls as JSON objects one after another, between ``separators`` and whitespace."""
+class _SequenceParser(ToolParser):
+    """Calls one after another, between ``separators`` and whitespace, each read by
+    ``read_call``."""
 
     separators: ClassVar[tuple[str, ...]]
+
+    @abstractmethod
+    def read_call(self, text: str, i: int, final: bool) -> tuple[ToolCall | None, int] | None:
+        """The call written from ``i`` and where it ends; (None, i) when none is; None when the
+        text so far cannot tell (never when ``final``)."""
 
     def next_call(self, text: str, pos: int, final: bool) -> tuple[ToolCall | None, int] | None:
         i = pos
@@ -187,14 +209,24 @@ class _JsonSequenceParser(ToolParser):
             i += len(separator)
         if i == len(text):
             return (None, len(text)) if final else None
+        read = self.read_call(text, i, final)
+        if read is None:
+            return None
+        call, end = read
+        return (None, pos) if call is None else (call, end)
+
+
+class _JsonSequenceParser(_SequenceParser):
+    """Calls as JSON objects ``{"name": ..., <an argument key>: {...}}``."""
+
+    def read_call(self, text: str, i: int, final: bool) -> tuple[ToolCall | None, int] | None:
         if text[i] != "{":
-            return None, pos
+            return None, i
         try:
             item, end = _DECODER.raw_decode(text, i)
         except json.JSONDecodeError:  # not valid JSON, or not all of it yet
-            return (None, pos) if final else None
-        call = self.call_of(item)
-        return (None, pos) if call is None else (call, end)
+            return (None, i) if final else None
+        return self.call_of(item), end
 
 
 class Llama3JsonParser(_JsonSequenceParser):
@@ -204,14 +236,7 @@ class Llama3JsonParser(_JsonSequenceParser):
     separators = (PYTHON_TAG, ";")
 
     def calls_start(self, text: str, pos: int) -> tuple[int, bool]:
-        if pos > 0:  # content was decided: only an answer that begins with a call has calls
-            return len(text), False
-        i = _WHITESPACE.match(text).end()
-        if text.startswith(("{", self.PYTHON_TAG), i):
-            return 0, True
-        if i == len(text) or _may_become(text, i, (self.PYTHON_TAG,)):
-            return 0, False
-        return len(text), False
+        return _opens_the_answer(text, pos, ("{", self.PYTHON_TAG))
 
 
 class MistralParser(_JsonSequenceParser):
@@ -228,8 +253,64 @@ class MistralParser(_JsonSequenceParser):
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
+def _call_end(text: str, i: int) -> int:
+    """Where the call whose argument list opens before ``i`` ends (past its ")"), skipping
+    brackets and quoted strings; -1 when the text ends first."""
+    depth, quote = 1, None
+    while i < len(text):
+        c = text[i]
+        if quote is not None:
+            if c == "\\":
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return -1
+
+
+class PythonicParser(_SequenceParser):
+    """Llama 3.2 / Llama 4's (and ToolACE's) Python list of calls with keyword arguments, the
+    whole answer: ``[get_weather(days=3, unit="celsius"), get_time(zone="UTC")]``. The values
+    are Python literals (True / None included), read with ast.literal_eval, never evaluated."""
+
+    name = "pythonic"
+    separators = ("[", ",", "]")
+
+    def calls_start(self, text: str, pos: int) -> tuple[int, bool]:
+        return _opens_the_answer(text, pos, ("[",))
+
+    def read_call(self, text: str, i: int, final: bool) -> tuple[ToolCall | None, int] | None:
+        opened = _CALL_OPEN.match(text, i)
+        if opened is None:  # (a name still being written may yet open its arguments)
+            return None if not final and _NAME.fullmatch(text, i) else (None, i)
+        end = _call_end(text, opened.end())
+        if end < 0:
+            return (None, i) if final else None
+        try:
+            node = ast.parse(text[i:end], mode="eval").body
+            if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name)
+                    or node.args or any(kw.arg is None for kw in node.keywords)):
+                return None, i
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        except (SyntaxError, ValueError):  # not Python, or a value that is not a literal
+            return None, i
+        return new_call(node.func.id, arguments, self.new_id()), end
+
+
+_NAME = re.compile(r"[A-Za-z_]\w*")
+_CALL_OPEN = re.compile(r"[A-Za-z_]\w*\(")
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser)}
+    parser.name: parser
+    for parser in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
 
 
 def tool_parser_named(name: str) -> ToolParser:

@@ -221,11 +221,11 @@ def test_listen_on_the_ipv6_wildcard_stays_dual_stack():
 @pytest.mark.parametrize("flags, says", [
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser, "
                                     "the model's tool-call syntax: one of hermes, llama3_json, "
-                                    "mistral"),
+                                    "mistral, pythonic"),
     (["--tool-call-parser", "hermes"], "--tool-call-parser hermes is used only with "
                                        "--enable-auto-tool-choice; pass both, or neither"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "qwen"],
-     "'qwen' is not one of 'hermes', 'llama3_json', 'mistral'"),
+     "'qwen' is not one of 'hermes', 'llama3_json', 'mistral', 'pythonic'"),
 ])
 def test_auto_tool_choice_takes_both_flags_or_neither(flags, says):
     """As vLLM: --enable-auto-tool-choice and a known --tool-call-parser go together; anything

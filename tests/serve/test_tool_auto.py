@@ -26,7 +26,8 @@ ONE_CALL = {
     "llama3_json": r'<\|python_tag\|>\{"name": "get_weather", "parameters": '
                    + WEATHER_ARGUMENTS + r'\}',
     "mistral": r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": '
-               + WEATHER_ARGUMENTS + r'\}\]'}
+               + WEATHER_ARGUMENTS + r'\}\]',
+    "pythonic": r'\[get_weather\(days=[1-7], unit="(celsius|fahrenheit)"\)\]'}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def clients(tiny_server):
     """A client of a server per parser, and of one without (None), all around one engine."""
     clients = {"hermes": openai_client(tiny_server[0])}
     with contextlib.ExitStack() as servers:
-        for name in ("llama3_json", "mistral", None):
+        for name in (*ONE_CALL, None):
             app = create_app(tiny_server[1], served_model_name=MODEL, chat_template=TEMPLATE,
                              tool_call_parser=name)
             clients[name] = openai_client(servers.enter_context(ServerThread(app)))

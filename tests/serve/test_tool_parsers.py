@@ -27,6 +27,7 @@ def mistral_calls(*calls: tuple[str, dict]) -> str:
 
 
 W, T = hermes_block("get_weather", WEATHER), hermes_block("get_time", {"zone": "UTC"})
+P = '[get_weather(days=3, unit="celsius")]'
 L = llama_call("get_weather", WEATHER)
 M = mistral_calls(("get_weather", WEATHER), ("get_time", {"zone": "UTC"}))
 
@@ -59,6 +60,22 @@ CASES = [
     ("mistral", "No [TOOLS] here.", "No [TOOLS] here.", []),
     ("mistral", M[:-12], M[M.index("}}") + 2:-12], [("get_weather", WEATHER)]),  # cut off
     ("mistral", "[TOOL_CALLS][{bad json}]", "[TOOL_CALLS][{bad json}]", []),
+    ("pythonic", P, None, [("get_weather", WEATHER)]),
+    ("pythonic", f' [{P[1:-1]}, get_time(zone="UTC")]\n', None,
+     [("get_weather", WEATHER), ("get_time", {"zone": "UTC"})]),
+    ("pythonic", f"[find(city={ZURICH['city']!r}, note={ZURICH['note']!r})]", None,
+     [("find", ZURICH)]),
+    ("pythonic", '[f(flag=True, x=None, xs=[1, 2.5], d={"a": (1, 2)}, s=")(")]', None,
+     [("f", {"flag": True, "x": None, "xs": [1, 2.5], "d": {"a": [1, 2]}, "s": ")("})]),
+    ("pythonic", "[g()]", None, [("g", {})]),
+    ("pythonic", "The weather is nice.", "The weather is nice.", []),
+    ("pythonic", "[1, 2, 3]", "[1, 2, 3]", []),  # a list, but not of calls
+    ("pythonic", P[:-4], P[:-4], []),  # cut off
+    ("pythonic", "[f(3)]", "[f(3)]", []),  # positional arguments name nothing
+    ("pythonic", '[f(x=__import__("os").getcwd())]', '[f(x=__import__("os").getcwd())]',
+     []),  # not a literal: never evaluated
+    # content resumes right after the last call, as in the other formats
+    ("pythonic", f"{P} Done.", "] Done.", [("get_weather", WEATHER)]),
 ]
 
 
@@ -132,6 +149,6 @@ def test_call_ids_are_fresh_and_mistral_ids_are_what_its_templates_take():
 
 def test_an_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown tool-call parser 'qwen'; Kiln has hermes, "
-                                         "llama3_json, mistral"):
+                                         "llama3_json, mistral, pythonic"):
         tool_parser_named("qwen")
-    assert list(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral"]
+    assert list(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
