@@ -203,8 +203,18 @@ class LLMEngine:
         if chained is not None:
             out, token_ids = chained
             self._note_scheduled(out)
-            self._in_flight = InFlightStep.launch(out, self.runner.execute(out, token_ids))
-            outputs = self._update(*prev.wait())
+            applied: list[list[RequestOutput]] = []
+
+            def apply_prev() -> None:
+                applied.append(self._update(*prev.wait()))
+
+            # a grammar's mask comes from the matcher prev's token advances: those steps apply
+            # prev between their forward's launch and their sampling (the GPU runs the forward
+            # meanwhile); the others launch whole, then apply prev
+            masked = any(item.seq.grammar is not None for item in out.scheduled)
+            result = self.runner.execute(out, token_ids, apply_prev if masked else None)
+            self._in_flight = InFlightStep.launch(out, result)
+            outputs = applied[0] if applied else self._update(*prev.wait())
         else:
             outputs = self._update(*prev.wait()) if prev is not None else []
             outputs += self._schedule_and_run()

@@ -8,6 +8,7 @@ logprobs were asked for).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,15 +138,18 @@ class ModelRunner:
             self.kv_cache.swap_in(out.swap_in)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput,
-                lookahead_ids: torch.Tensor | None = None) -> StepResult:
-        """Launch the step; ``lookahead_ids`` as in ``prepare``."""
+    def execute(self, out: SchedulerOutput, lookahead_ids: torch.Tensor | None = None,
+                before_sampling: Callable[[], None] | None = None) -> StepResult:
+        """Launch the step; ``lookahead_ids`` as in ``prepare``. ``before_sampling`` runs once
+        the forward is launched and before the sampler reads the host's state of the rows (a
+        chained step's grammar masks need the step before it applied first), if it samples
+        through the sampler at all."""
         self.apply_cache_ops(out)
         if self._graph_step(out.scheduled):
-            return self._graph_runs(out.scheduled, [], lookahead_ids)
+            return self._graph_runs(out.scheduled, [], lookahead_ids, before_sampling)
         split = self._graph_split(out.scheduled)
         if split is not None:
-            return self._graph_runs(*split, lookahead_ids)
+            return self._graph_runs(*split, lookahead_ids, before_sampling)
         # single-token rows first, so attention can send them to the decode kernel (a stable
         # sort: a chained step comes in this order already, as its lookahead ids are laid out)
         scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
@@ -160,7 +164,7 @@ class ModelRunner:
             return StepResult([], [], empty, None, prompt_lps)
         logits = self.model.compute_logits(take_rows(hidden, [row for _, row in sampling]))
         return self._sample(logits, [(item, i) for i, (item, _) in enumerate(sampling)],
-                            prompt_lps)
+                            prompt_lps, before_sampling)
 
     def _graph_step(self, scheduled: list[ScheduledSeq]) -> bool:
         """Pure decode steps (one new token per sequence, all sampling) replay a graph."""
@@ -188,7 +192,8 @@ class ModelRunner:
         return decodes, prompts
 
     def _graph_runs(self, decodes: list[ScheduledSeq], prompts: list[ScheduledSeq],
-                    lookahead_ids: torch.Tensor | None) -> StepResult:
+                    lookahead_ids: torch.Tensor | None,
+                    before_sampling: Callable[[], None] | None = None) -> StepResult:
         """Replay the decode graph (when there are decodes), then the prompts' prefill graph
         (when there are prompts). Plain greedy batches take the argmax computed inside the
         graphs; anything else samples their logits together. A chained step's lookahead ids
@@ -208,7 +213,8 @@ class ModelRunner:
         if greedy:
             return StepResult([item.seq for item in items], [item.request for item in items],
                               out, None, [])
-        return self._sample(out, [(item, row) for row, item in enumerate(items)], [])
+        return self._sample(out, [(item, row) for row, item in enumerate(items)], [],
+                            before_sampling)
 
     def _replay_decode(self, decodes: list[ScheduledSeq], lookahead_ids: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,8 +232,13 @@ class ModelRunner:
         return self.graphs.run_prefill(chunks)
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledSeq, int]],
-                prompt_lps: list[tuple[ScheduledSeq, int, LogprobsTensors]]) -> StepResult:
-        """Sample each (item, logits row); a request's first sample forks into n sequences."""
+                prompt_lps: list[tuple[ScheduledSeq, int, LogprobsTensors]],
+                before_sampling: Callable[[], None] | None = None) -> StepResult:
+        """Sample each (item, logits row); a request's first sample forks into n sequences.
+        A sequence that ``before_sampling`` finished (its row is dropped when the step is
+        applied) samples without its grammar, which has ended."""
+        if before_sampling is not None:
+            before_sampling()
         index, seqs, requests = [], [], []
         for item, row in rows:
             group = item.request.seqs if not item.request.forked else [item.seq]
@@ -239,7 +250,8 @@ class ModelRunner:
         meta = SamplingMetadata.build(
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
-            self.device, self.loaded.eos_token_ids, [s.grammar for s in seqs])
+            self.device, self.loaded.eos_token_ids,
+            [None if s.finished else s.grammar for s in seqs])
         sampled = self.sampler.sample(logits, meta)
         return StepResult(seqs, requests, sampled.token_ids, sampled.logprobs, prompt_lps)
 

@@ -28,10 +28,14 @@ made room for waits a step.
 
 Everything else takes the synchronous path: a waiting request the chain cannot start (see
 ``_admissible``), a swapped request with room to come back, penalties and min_tokens (the
-sampler reads the outputs on the host), bad words of more than one token (likewise), structured
-outputs (each step's grammar mask comes from the matcher the last token advanced, on the host),
-logprobs and prompt logprobs, the fork of n > 1 samples, and KV blocks running out
-(preemption).
+sampler reads the outputs on the host), bad words of more than one token (likewise), logprobs
+and prompt logprobs, the fork of n > 1 samples, and KV blocks running out (preemption).
+
+Structured outputs chain with a step of delay inside the step: a row's grammar mask comes from
+the matcher that step N's token advances on the host, so a chained step that holds one launches
+its forward, then waits for step N and applies it (matchers included), and only then builds the
+masks and launches its sampling. The GPU runs the forward meanwhile, where the synchronous path
+would leave it idle for the host's whole update, scheduling and input building.
 """
 
 from __future__ import annotations
@@ -98,8 +102,7 @@ def _chains(seq: Sequence, request: Request) -> bool:
     params = seq.params
     return (request.forked and request.prompt_logprobs is None and not params.has_penalties
             and len(seq.output_token_ids) >= params.min_tokens
-            and all(len(word) == 1 for word in params.bad_words_token_ids)
-            and params.structured_outputs is None)
+            and all(len(word) == 1 for word in params.bad_words_token_ids))
 
 
 def _admissible(request: Request) -> bool:

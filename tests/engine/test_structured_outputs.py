@@ -116,32 +116,40 @@ def test_plain_requests_beside_structured_ones_are_token_identical_to_running_al
     assert got[3].text in CHOICES
 
 
-def test_no_structured_step_is_chained_and_async_changes_no_output(monkeypatch):
+def test_structured_steps_chain_sampling_after_the_step_before_and_async_changes_no_output(
+        monkeypatch):
     """Async scheduling launches a step before the host has the last one's tokens; a
-    structured row's mask needs them, so its steps take the synchronous path."""
+    structured row's mask needs them, so a chained step with one applies the step before
+    between its forward and its sampling (and only then builds the masks)."""
     params = [P(temperature=0.0, max_tokens=40, ignore_eos=True),
               P(temperature=1.0, seed=5, max_tokens=64, structured_outputs=S(json=SCHEMA)),
               P(temperature=0.0, max_tokens=40, ignore_eos=True),
-              P(temperature=0.7, seed=6, max_tokens=48, structured_outputs=S(regex=REGEX))]
-    prompts = ["import os\n", PROMPT, "class Stack:\n", PROMPT]
+              P(temperature=0.7, seed=6, max_tokens=48, structured_outputs=S(regex=REGEX)),
+              P(temperature=0.0, max_tokens=8, structured_outputs=S(choice=CHOICES))]
+    prompts = ["import os\n", PROMPT, "class Stack:\n", PROMPT, PROMPT]
     outputs = {}
     for async_scheduling in (True, False):
         engine = make_engine("kiln-tiny", num_kv_blocks=128, async_scheduling=async_scheduling)
-        steps = []  # (chained, any structured row)
+        steps = []  # (chained, any structured row, the step before applied before sampling)
         real = engine.runner.execute
 
-        def spy(out, lookahead_ids=None, real=real, steps=steps):
+        def spy(out, lookahead_ids=None, before_sampling=None, real=real, steps=steps):
+            def applied_first():
+                steps[-1] = (*steps[-1][:2], True)
+                before_sampling()
+
             steps.append((lookahead_ids is not None,
-                          any(item.seq.grammar is not None for item in out.scheduled)))
-            return real(out, lookahead_ids)
+                          any(item.seq.grammar is not None for item in out.scheduled), False))
+            return real(out, lookahead_ids, before_sampling and applied_first)
 
         monkeypatch.setattr(engine.runner, "execute", spy)
         outputs[async_scheduling] = got = samples(generate_in_order(engine, prompts, params))
         follows_schema(got[1].text)
         assert re.fullmatch(REGEX, got[3].text)
-        assert not any(chained and structured for chained, structured in steps)
-        if async_scheduling:  # the plain requests chain once the structured ones are done
-            assert any(chained for chained, _ in steps)
+        assert got[4].text in CHOICES and got[4].finish_reason == "stop"
+        # every chained step with a grammar samples after the step before is applied; no other
+        assert all(first == (chained and structured) for chained, structured, first in steps)
+        assert any(chained and structured for chained, structured, _ in steps) == async_scheduling
     assert [c.token_ids for c in outputs[True]] == [c.token_ids for c in outputs[False]]
 
 
