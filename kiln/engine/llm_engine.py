@@ -19,7 +19,7 @@ from kiln.config import EngineConfig
 from kiln.engine.gc_heap import finite_loop_heap
 from kiln.engine.inputs import PromptLike, check_prompt_length, tokenize_prompt
 from kiln.engine.model_runner import ModelRunner, StepResult
-from kiln.engine.overlap import InFlightStep, chain_step, chainable, warm_up
+from kiln.engine.overlap import InFlightStep, chain_step, chainable, samples_from_host, warm_up
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.sequence import apply_sampler_output, prompt_logprobs_to_dicts
@@ -208,11 +208,11 @@ class LLMEngine:
             def apply_prev() -> None:
                 applied.append(self._update(*prev.wait()))
 
-            # a grammar's mask comes from the matcher prev's token advances: those steps apply
-            # prev between their forward's launch and their sampling (the GPU runs the forward
-            # meanwhile); the others launch whole, then apply prev
-            masked = any(item.seq.grammar is not None for item in out.scheduled)
-            result = self.runner.execute(out, token_ids, apply_prev if masked else None)
+            # a step whose sampling reads prev's tokens on the host (a grammar's mask,
+            # penalties ...) applies prev between its forward's launch and its sampling (the GPU
+            # runs the forward meanwhile); the others launch whole, then apply prev
+            reads_prev = any(samples_from_host(item.seq) for item in out.scheduled)
+            result = self.runner.execute(out, token_ids, apply_prev if reads_prev else None)
             self._in_flight = InFlightStep.launch(out, result)
             outputs = applied[0] if applied else self._update(*prev.wait())
         else:

@@ -26,16 +26,17 @@ input building and updates under the GPU's work instead of between steps. Blocks
 sequences that stop at step N are known only when it is applied: an admission they would have
 made room for waits a step.
 
-Everything else takes the synchronous path: a waiting request the chain cannot start (see
-``_admissible``), a swapped request with room to come back, penalties and min_tokens (the
-sampler reads the outputs on the host), bad words of more than one token (likewise), logprobs
-and prompt logprobs, the fork of n > 1 samples, and KV blocks running out (preemption).
+Sampling that reads the host's outputs (a grammar's mask comes from the matcher step N's token
+advances, penalties count the tokens, min_tokens bans EOS until enough are out, a bad word of
+several tokens is banned after its prefix) chains with the wait moved inside the step: a
+chained step holding such a row (``samples_from_host``) launches its forward, then waits for
+step N and applies it, and only then builds its sampling inputs and launches the sampling. The
+GPU runs the forward meanwhile, where the synchronous path would leave it idle for the host's
+whole update, scheduling and input building.
 
-Structured outputs chain with a step of delay inside the step: a row's grammar mask comes from
-the matcher that step N's token advances on the host, so a chained step that holds one launches
-its forward, then waits for step N and applies it (matchers included), and only then builds the
-masks and launches its sampling. The GPU runs the forward meanwhile, where the synchronous path
-would leave it idle for the host's whole update, scheduling and input building.
+Everything else takes the synchronous path: a waiting request the chain cannot start (see
+``_admissible``), a swapped request with room to come back, logprobs and prompt logprobs, the
+fork of n > 1 samples, and KV blocks running out (preemption).
 """
 
 from __future__ import annotations
@@ -98,11 +99,19 @@ class InFlightStep:
 
 def _chains(seq: Sequence, request: Request) -> bool:
     """Whether what the sequence computes after this step is fixed before the host sees this
-    step's token: no fork to come, nothing the sampler reads from its outputs on the host."""
+    step's token: no fork to come, no prompt logprobs to score. (What its sampling reads from
+    the host's outputs is read after the step is applied: ``samples_from_host``.)"""
+    return request.forked and request.prompt_logprobs is None
+
+
+def samples_from_host(seq: Sequence) -> bool:
+    """Whether the sequence's sampling reads what the host holds of its outputs: its grammar's
+    matcher, the tokens penalties count, the EOS ban of min_tokens, bad words of several tokens.
+    A chained step holding such a row applies the step in flight before it samples."""
     params = seq.params
-    return (request.forked and request.prompt_logprobs is None and not params.has_penalties
-            and len(seq.output_token_ids) >= params.min_tokens
-            and all(len(word) == 1 for word in params.bad_words_token_ids))
+    return (seq.grammar is not None or params.has_penalties
+            or len(seq.output_token_ids) < params.min_tokens
+            or any(len(word) > 1 for word in params.bad_words_token_ids))
 
 
 def _admissible(request: Request) -> bool:

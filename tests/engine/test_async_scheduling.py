@@ -67,9 +67,9 @@ def _assert_same(got, want):
 
 
 def _mixed_workload(seed: int, num: int = 24):
-    """Greedy and seeded sampling, stop ids that really fire, length limits, and the features
-    that force the synchronous path (penalties, min_tokens, logprobs, n > 1), which finish
-    early so that the rest runs chained."""
+    """Greedy and seeded sampling, stop ids that really fire, length limits, penalties and
+    min_tokens (chained, sampled after the step before is applied), and the features that force
+    the synchronous path (logprobs, n > 1), which finish early so that the rest runs chained."""
     rng = random.Random(seed)
     prompts, params = [], []
     for i in range(num):
@@ -329,3 +329,36 @@ def test_token_times_are_when_each_step_finished(tiny_llama, chained, monkeypatc
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert min(gaps) >= 0.9 * step_s, gaps
     assert done.metrics.finished_time == times[-1]
+
+
+def test_sampling_that_reads_the_outputs_chains_after_the_step_before(tiny_llama, chained,
+                                                                       monkeypatch):
+    """Penalties count the output tokens, min_tokens bans EOS until enough are out, a bad word of
+    two tokens is banned after its first: a chained step holding such rows applies the step in
+    flight between its forward and its sampling, and the tokens are the synchronous ones."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 30))] for _ in range(8)]
+    kinds = [{"repetition_penalty": 1.3}, {"presence_penalty": 0.8, "frequency_penalty": 0.5},
+             {"min_tokens": 12}, {"bad_words": None}]
+    params = []
+    for i, prompt in enumerate(prompts):
+        extra = dict(kinds[i % len(kinds)])
+        if "bad_words" in extra:  # the pair the prompt's last two tokens make, as token ids
+            del extra["bad_words"]
+            extra["bad_words_token_ids"] = [[prompt[-1], prompt[0]]]
+        params.append(kiln.SamplingParams(
+            max_tokens=24, **({"temperature": 0.0} if i % 2 else {"temperature": 0.9, "seed": i}),
+            **extra))
+    sync = _outputs(make_engine(tiny_llama, async_scheduling=False), prompts, params)
+    engine = make_engine(tiny_llama)
+    deferred = []
+    real = engine.runner.execute
+
+    def spy(out, lookahead_ids=None, before_sampling=None):
+        deferred.append((lookahead_ids is not None, before_sampling is not None))
+        return real(out, lookahead_ids, before_sampling)
+
+    monkeypatch.setattr(engine.runner, "execute", spy)
+    _assert_same(_outputs(engine, prompts, params), sync)
+    assert chained and sum(step_chained and late for step_chained, late in deferred) >= 10
+    assert not any(late and not step_chained for step_chained, late in deferred)
