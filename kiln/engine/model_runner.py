@@ -163,8 +163,10 @@ class ModelRunner:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return StepResult([], [], empty, None, prompt_lps)
         logits = self.model.compute_logits(take_rows(hidden, [row for _, row in sampling]))
+        if before_sampling is not None:
+            before_sampling()
         return self._sample(logits, [(item, i) for i, (item, _) in enumerate(sampling)],
-                            prompt_lps, before_sampling)
+                            prompt_lps)
 
     def _graph_step(self, scheduled: list[ScheduledSeq]) -> bool:
         """Pure decode steps (one new token per sequence, all sampling) replay a graph."""
@@ -213,8 +215,9 @@ class ModelRunner:
         if greedy:
             return StepResult([item.seq for item in items], [item.request for item in items],
                               out, None, [])
-        return self._sample(out, [(item, row) for row, item in enumerate(items)], [],
-                            before_sampling)
+        if before_sampling is not None:
+            before_sampling()
+        return self._sample(out, [(item, row) for row, item in enumerate(items)], [])
 
     def _replay_decode(self, decodes: list[ScheduledSeq], lookahead_ids: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,13 +235,11 @@ class ModelRunner:
         return self.graphs.run_prefill(chunks)
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledSeq, int]],
-                prompt_lps: list[tuple[ScheduledSeq, int, LogprobsTensors]],
-                before_sampling: Callable[[], None] | None = None) -> StepResult:
+                prompt_lps: list[tuple[ScheduledSeq, int, LogprobsTensors]]) -> StepResult:
         """Sample each (item, logits row); a request's first sample forks into n sequences.
-        A sequence that ``before_sampling`` finished (its row is dropped when the step is
-        applied) samples without its grammar, which has ended."""
-        if before_sampling is not None:
-            before_sampling()
+        A sequence that finished since the step was launched (``execute``'s before_sampling;
+        its row is dropped when the step is applied) samples without its grammar, which has
+        ended."""
         index, seqs, requests = [], [], []
         for item, row in rows:
             group = item.request.seqs if not item.request.forked else [item.seq]

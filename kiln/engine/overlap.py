@@ -34,15 +34,17 @@ step N and applies it, and only then builds its sampling inputs and launches the
 GPU runs the forward meanwhile, where the synchronous path would leave it idle for the host's
 whole update, scheduling and input building.
 
+Logprobs travel with the tokens: pinned copies queued behind the step.
+
 Everything else takes the synchronous path: a waiting request the chain cannot start (see
-``_admissible``), a swapped request with room to come back, logprobs and prompt logprobs, the
-fork of n > 1 samples, and KV blocks running out (preemption).
+``_admissible``), a swapped request with room to come back, prompt logprobs, the fork of n > 1
+samples, and KV blocks running out (preemption).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -51,6 +53,7 @@ from kiln.engine.model_runner import StepResult
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kiln.engine.sequence import Sequence
+from kiln.sampling.sampler import LogprobsTensors
 from kiln.upload import take_rows, upload
 
 
@@ -61,22 +64,25 @@ class InFlightStep:
     out: SchedulerOutput
     result: StepResult
     host_token_ids: torch.Tensor  # [rows] int64; on CUDA a pinned copy, valid once `done` fired
+    host_logprobs: LogprobsTensors | None  # likewise, when a row asked for logprobs
     done: torch.cuda.Event | None
     # off CUDA the step ran inside execute(): when its tokens were there (time.monotonic)
     finished_at: float | None = None
 
     @classmethod
     def launch(cls, out: SchedulerOutput, result: StepResult) -> InFlightStep:
-        """Queue the copy of the step's tokens to the host right behind the step itself, so
-        that waiting for them later does not also wait for a step launched after it."""
-        ids = result.token_ids
+        """Queue the copy of the step's tokens (and logprobs) to the host right behind the step
+        itself, so that waiting for them later does not also wait for a step launched after
+        it."""
+        ids, logprobs = result.token_ids, result.logprobs
         if ids.device.type != "cuda":
-            return cls(out, result, ids, None, time.monotonic())
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
+            return cls(out, result, ids, logprobs, None, time.monotonic())
+        if logprobs is not None:
+            logprobs = LogprobsTensors(*(_to_host(t) for t in astuple_shallow(logprobs)))
+        host = _to_host(ids)
         done = torch.cuda.Event()
         done.record()
-        return cls(out, result, host, done)
+        return cls(out, result, host, logprobs, done)
 
     def wait(self) -> tuple[SchedulerOutput, StepResult, float]:
         """The step once finished, without the rows of sequences that stopped meanwhile, and
@@ -88,13 +94,27 @@ class InFlightStep:
         finished_at = time.monotonic() if self.finished_at is None else self.finished_at
         result = self.result
         live = [row for row, seq in enumerate(result.seqs) if not seq.finished]
-        ids = self.host_token_ids
+        ids, logprobs = self.host_token_ids, self.host_logprobs
         if len(live) < len(result.seqs):
-            ids = ids[torch.tensor(live, dtype=torch.int64)]
+            rows = torch.tensor(live, dtype=torch.int64)
+            ids = ids[rows]
+            if logprobs is not None:
+                logprobs = LogprobsTensors(*(t[rows] for t in astuple_shallow(logprobs)))
         out = SchedulerOutput(scheduled=[item for item in self.out.scheduled
                                          if not item.seq.finished])
         return out, StepResult([result.seqs[r] for r in live],
-                               [result.requests[r] for r in live], ids, None, []), finished_at
+                               [result.requests[r] for r in live], ids, logprobs, []), finished_at
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of ``tensor``, queued on the current stream."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def astuple_shallow(logprobs: LogprobsTensors) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``logprobs`` in field order (dataclasses.astuple would copy them)."""
+    return tuple(getattr(logprobs, f.name) for f in fields(logprobs))
 
 
 def _chains(seq: Sequence, request: Request) -> bool:
@@ -115,15 +135,13 @@ def samples_from_host(seq: Sequence) -> bool:
 
 
 def _admissible(request: Request) -> bool:
-    """Whether a waiting request may start in a chained step: every step of it chains and none
-    returns logprobs (a chained step hands the host its token ids alone)."""
-    return request.params.logprobs is None and all(
-        _chains(seq, request) for seq in request.seqs)
+    """Whether a waiting request may start in a chained step: every step of it chains."""
+    return all(_chains(seq, request) for seq in request.seqs)
 
 
 def chainable(out: SchedulerOutput, result: StepResult) -> bool:
     """Whether a next step could start from this one's tokens before the host sees them."""
-    if result.logprobs is not None or result.prompt_logprobs:
+    if result.prompt_logprobs:
         return False
     return bool(out.scheduled) and all(_chains(item.seq, item.request) for item in out.scheduled)
 

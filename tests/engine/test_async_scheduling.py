@@ -216,8 +216,8 @@ def test_waiting_requests_are_admitted_into_chained_steps(tiny_llama, chained, o
 
 
 def test_a_request_the_chain_cannot_start_is_not_starved(tiny_llama, chained):
-    """A waiting request that needs the synchronous path (logprobs) starts in the next step
-    even though the running ones would chain for ever."""
+    """A waiting request that needs the synchronous path (n > 1: its samples fork after its
+    first step) starts in the next step even though the running ones would chain for ever."""
     engine = make_engine(tiny_llama, block_size=4)
     greedy = kiln.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for i in range(3):
@@ -228,13 +228,13 @@ def test_a_request_the_chain_cannot_start_is_not_starved(tiny_llama, chained):
     engine.add_request("plain", list(range(7, 19)), greedy)
     engine.step()
     assert chained[-1].started == ["plain"]  # an admissible arrival rides the chain
-    engine.add_request("lp", list(range(9, 21)),
-                       kiln.SamplingParams(max_tokens=3, temperature=0.0, logprobs=2))
+    engine.add_request("n2", list(range(9, 21)),
+                       kiln.SamplingParams(max_tokens=3, temperature=1.0, seed=1, n=2))
     engine.step()
-    assert engine.requests["lp"].metrics.first_scheduled_time is not None
-    assert all("lp" not in step.started for step in chained)
+    assert engine.requests["n2"].metrics.first_scheduled_time is not None
+    assert all("n2" not in step.started for step in chained)
     finished = {o.request_id: o for o in engine.run_to_completion()}
-    assert len(finished["lp"].outputs[0].logprobs) == 3
+    assert [len(c.token_ids) for c in finished["n2"].outputs] == [3, 3]
     assert engine.kv.num_free_blocks == engine.kv_cache.num_blocks
 
 
@@ -362,3 +362,19 @@ def test_sampling_that_reads_the_outputs_chains_after_the_step_before(tiny_llama
     _assert_same(_outputs(engine, prompts, params), sync)
     assert chained and sum(step_chained and late for step_chained, late in deferred) >= 10
     assert not any(late and not step_chained for step_chained, late in deferred)
+
+
+def test_logprobs_travel_with_the_chained_tokens(tiny_llama, chained):
+    """Rows asking for logprobs chain: their logprobs come to the host with the tokens, and
+    rows of sequences that stopped meanwhile are dropped from both."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 40))] for _ in range(10)]
+    params = [kiln.SamplingParams(
+        max_tokens=20, logprobs=i % 4, ignore_eos=True,
+        **({"temperature": 0.0} if i % 2 else {"temperature": 0.8, "seed": i}),
+        **({"stop_token_ids": list(range(3, 300, 7))} if i % 3 == 0 else {}))
+        for i in range(len(prompts))]
+    sync = _outputs(make_engine(tiny_llama, async_scheduling=False), prompts, params)
+    _assert_same(_outputs(make_engine(tiny_llama), prompts, params), sync)
+    assert any(item.seq.params.logprobs for step in chained for item in step.out.scheduled)
+    assert any(reason == "stop" for samples in sync.values() for _, reason, _, _ in samples)
