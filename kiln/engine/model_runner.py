@@ -142,8 +142,8 @@ class ModelRunner:
                 before_sampling: Callable[[], None] | None = None) -> StepResult:
         """Launch the step; ``lookahead_ids`` as in ``prepare``. ``before_sampling`` runs once
         the forward is launched and before the sampler reads the host's state of the rows (a
-        chained step's grammar masks need the step before it applied first), if it samples
-        through the sampler at all."""
+        chained step's grammar masks, penalties ... need the step before it applied first), if
+        it samples through the sampler at all."""
         self.apply_cache_ops(out)
         if self._graph_step(out.scheduled):
             return self._graph_runs(out.scheduled, [], lookahead_ids, before_sampling)
