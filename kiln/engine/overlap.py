@@ -78,7 +78,7 @@ class InFlightStep:
         if ids.device.type != "cuda":
             return cls(out, result, ids, logprobs, None, time.monotonic())
         if logprobs is not None:
-            logprobs = LogprobsTensors(*(_to_host(t) for t in astuple_shallow(logprobs)))
+            logprobs = LogprobsTensors(*(_to_host(t) for t in _tensors_of(logprobs)))
         host = _to_host(ids)
         done = torch.cuda.Event()
         done.record()
@@ -99,7 +99,7 @@ class InFlightStep:
             rows = torch.tensor(live, dtype=torch.int64)
             ids = ids[rows]
             if logprobs is not None:
-                logprobs = LogprobsTensors(*(t[rows] for t in astuple_shallow(logprobs)))
+                logprobs = LogprobsTensors(*(t[rows] for t in _tensors_of(logprobs)))
         out = SchedulerOutput(scheduled=[item for item in self.out.scheduled
                                          if not item.seq.finished])
         return out, StepResult([result.seqs[r] for r in live],
@@ -112,7 +112,7 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host.copy_(tensor, non_blocking=True)
 
 
-def astuple_shallow(logprobs: LogprobsTensors) -> tuple[torch.Tensor, ...]:
+def _tensors_of(logprobs: LogprobsTensors) -> tuple[torch.Tensor, ...]:
     """The tensors of ``logprobs`` in field order (dataclasses.astuple would copy them)."""
     return tuple(getattr(logprobs, f.name) for f in fields(logprobs))
 
