@@ -25,6 +25,7 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,10 +95,11 @@ class StepClock:
         event.record()
         return event
 
-    def execute(self, out: SchedulerOutput, lookahead_ids: torch.Tensor | None = None) -> Any:
+    def execute(self, out: SchedulerOutput, lookahead_ids: torch.Tensor | None = None,
+                before_sampling: Callable[[], None] | None = None) -> Any:
         start = self._mark()
         host = time.perf_counter()
-        result = self._execute(out, lookahead_ids)
+        result = self._execute(out, lookahead_ids, before_sampling)
         host_ms = (time.perf_counter() - host) * 1e3
         self.steps.append(describe(out, host_ms, start, self._mark()))
         return result
