@@ -6,7 +6,8 @@
 - ``llama3_json`` (Llama 3.1 / 3.2): the whole answer is ``{"name": ..., "parameters": {...}}``
   objects ("arguments" too), maybe after ``<|python_tag|>``, several separated by ``;``;
 - ``mistral``: content, then ``[TOOL_CALLS]`` and a JSON array of
-  ``{"name": ..., "arguments": {...}}``;
+  ``{"name": ..., "arguments": {...}}``, or (newer tokenizers) ``[TOOL_CALLS]name{...}`` /
+  ``[TOOL_CALLS]name[ARGS]{...}`` per call;
 - ``pythonic`` (Llama 3.2 / Llama 4): the whole answer is a Python list of calls with keyword
   arguments, ``[get_weather(days=3), get_time(zone="UTC")]``.
 
@@ -240,13 +241,38 @@ class Llama3JsonParser(_JsonSequenceParser):
 
 
 class MistralParser(_JsonSequenceParser):
+    """Mistral's three generations of the syntax: ``[TOOL_CALLS][{"name": ..., "arguments":
+    {...}}, ...]`` (tokenizers before v11), ``[TOOL_CALLS]name{...}`` per call (v11) and
+    ``[TOOL_CALLS]name[ARGS]{...}`` (v13)."""
+
     name = "mistral"
-    MARKER = "[TOOL_CALLS]"
+    MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
     separators = (MARKER, "[", ",", "]")  # (the marker first: it begins with "[")
     keeps_special_tokens = True
 
     def calls_start(self, text: str, pos: int) -> tuple[int, bool]:
         return _find_marker(text, pos, self.MARKER)
+
+    def read_call(self, text: str, i: int, final: bool) -> tuple[ToolCall | None, int] | None:
+        if text[i] == "{":  # an object with its name inside
+            return super().read_call(text, i, final)
+        named = _FUNCTION_NAME.match(text, i)
+        if named is None:
+            return None, i
+        j = named.end()
+        if j < len(text) and text.startswith(self.ARGS, j):
+            j += len(self.ARGS)
+        elif j == len(text) or _may_become(text, j, (self.ARGS,)):
+            return (None, i) if final else None  # the name, or [ARGS], is still coming
+        if j == len(text) or text[j] != "{":
+            return (None, i) if final or j < len(text) else None
+        try:
+            arguments, end = _DECODER.raw_decode(text, j)
+        except json.JSONDecodeError:
+            return (None, i) if final else None
+        if not isinstance(arguments, dict):
+            return None, i
+        return new_call(named.group(), arguments, self.new_id()), end
 
     def new_id(self) -> str:
         # Mistral's templates refuse other ids when the call comes back in the history
@@ -306,6 +332,7 @@ class PythonicParser(_SequenceParser):
 
 
 _NAME = re.compile(r"[A-Za-z_]\w*")
+_FUNCTION_NAME = re.compile(r"[A-Za-z_][\w.-]*")  # (OpenAI's function names take - too)
 _CALL_OPEN = re.compile(r"[A-Za-z_]\w*\(")
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

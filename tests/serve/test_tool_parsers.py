@@ -60,6 +60,14 @@ CASES = [
     ("mistral", "No [TOOLS] here.", "No [TOOLS] here.", []),
     ("mistral", M[:-12], M[M.index("}}") + 2:-12], [("get_weather", WEATHER)]),  # cut off
     ("mistral", "[TOOL_CALLS][{bad json}]", "[TOOL_CALLS][{bad json}]", []),
+    # v11 and v13 tokenizers: a marker and the name before each call's arguments
+    ("mistral", f"[TOOL_CALLS]get_weather{json.dumps(WEATHER)}", None, [("get_weather", WEATHER)]),
+    ("mistral", f"Sure. [TOOL_CALLS]get_weather[ARGS]{json.dumps(WEATHER)}[TOOL_CALLS]find[ARGS]"
+     f"{json.dumps(ZURICH, ensure_ascii=False)}", "Sure. ",
+     [("get_weather", WEATHER), ("find", ZURICH)]),
+    ("mistral", "[TOOL_CALLS]get_weather", "[TOOL_CALLS]get_weather", []),  # cut off
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]", "[TOOL_CALLS]get_weather[ARGS]", []),
+    ("mistral", '[TOOL_CALLS]f["x"]', '[TOOL_CALLS]f["x"]', []),  # arguments not an object
     ("pythonic", P, None, [("get_weather", WEATHER)]),
     ("pythonic", f' [{P[1:-1]}, get_time(zone="UTC")]\n', None,
      [("get_weather", WEATHER), ("get_time", {"zone": "UTC"})]),
