@@ -104,6 +104,8 @@ class CallStream:
         self._parser = parser
         self._pos = 0  # the text before this is decided (and returned)
         self._in_calls = False  # past the start of the calls
+        self._calls_from = 0  # where they start, once past it
+        self._any_call = False
         self._in_rest = False  # past the calls: all content from here on
 
     def update(self, text: str, final: bool = False) -> ParsedDelta:
@@ -113,7 +115,7 @@ class CallStream:
         if not self._in_calls:
             start, self._in_calls = self._parser.calls_start(text, self._pos)
             end = len(text) if final and not self._in_calls else start
-            delta.content, self._pos = text[self._pos:end], end
+            delta.content, self._pos, self._calls_from = text[self._pos:end], end, end
         while self._in_calls and not self._in_rest:
             step = self._parser.next_call(text, self._pos, final)
             if step is None:
@@ -121,8 +123,11 @@ class CallStream:
             call, self._pos = step
             if call is None:
                 self._in_rest = True
+                if not self._any_call:  # a marker, or brackets, with no call: all content
+                    self._pos = self._calls_from
             else:
                 delta.calls.append(call)
+                self._any_call = True
         if self._in_rest:
             delta.content += text[self._pos:]
             self._pos = len(text)

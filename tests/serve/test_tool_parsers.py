@@ -7,6 +7,8 @@ import json
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kiln.serve.tool_parsers import TOOL_PARSERS, ParsedAnswer, tool_parser_named
 
@@ -68,6 +70,8 @@ CASES = [
     ("mistral", "[TOOL_CALLS]get_weather", "[TOOL_CALLS]get_weather", []),  # cut off
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]", "[TOOL_CALLS]get_weather[ARGS]", []),
     ("mistral", '[TOOL_CALLS]f["x"]', '[TOOL_CALLS]f["x"]', []),  # arguments not an object
+    ("mistral", "Sure [TOOL_CALLS]", "Sure [TOOL_CALLS]", []),  # a marker and no call: content
+    ("pythonic", "[]", "[]", []),
     ("pythonic", P, None, [("get_weather", WEATHER)]),
     ("pythonic", f' [{P[1:-1]}, get_time(zone="UTC")]\n', None,
      [("get_weather", WEATHER), ("get_time", {"zone": "UTC"})]),
@@ -160,3 +164,24 @@ def test_an_unknown_parser_names_the_known_ones():
                                          "llama3_json, mistral, pythonic"):
         tool_parser_named("qwen")
     assert list(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+
+
+PIECES = ["<tool_call>", "</tool_call>", "\n", " ", '{"name": "f", "arguments": {"a": 1}}',
+          '{"name": "g", "parameters": {}}', "[TOOL_CALLS]", "[ARGS]", "get_weather", "{", "}",
+          "[", "]", ",", ";", "<|python_tag|>", "f(x=1)", "g()", "(", ")", '"', "'", "\\", "hi ",
+          '{"a": [1, "}"]}', "<tool", "_call>", "[TOOL_", "CALLS]"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(list(TOOL_PARSERS)),
+       pieces=st.lists(st.sampled_from(PIECES), max_size=12),
+       cuts=st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=40))
+def test_any_text_parses_without_error_and_streams_as_it_parses(name, pieces, cuts):
+    """Whatever the model writes: no exception, and the stream finds what the whole text has,
+    the content and the calls together making up the text's characters outside the calls."""
+    text = "".join(pieces)
+    whole = tool_parser_named(name).parse(text)
+    sizes = (cuts * (len(text) // len(cuts) + 1))[:len(text)]
+    assert found(fed_in_chunks(name, text, sizes)) == found(whole)
+    if not whole.calls:
+        assert whole.content == text
