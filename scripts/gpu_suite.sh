@@ -2,7 +2,7 @@
 # The whole GPU check in one call on the device machine (see ../shared/GPU.md):
 #   scripts/gpu_suite.sh [STAGES]   STAGES: comma list of tests,kernels,quant,reference,
 #                                   latency,throughput,serve,serve_short,serve_prefix,
-#                                   profile,quantized
+#                                   profile,quantized,breakdown,async_mix
 #                                   (default: all)
 # Writes everything under $OUT/suite (tarred to $OUT/suite.tgz at the end) and prints a summary.
 # Run from the repository root; kiln is used from the tree (PYTHONPATH=.), nothing is installed.
@@ -21,7 +21,7 @@ export KILN_GIT_COMMIT=${KILN_GIT_COMMIT:-$(cat .git-commit 2>/dev/null || echo 
 OUT=${OUT:-out/gpu}
 R=$OUT/suite
 mkdir -p "$R"
-STAGES=",${1:-tests,kernels,quant,reference,latency,throughput,serve,serve_short,serve_prefix,profile,quantized},"
+STAGES=",${1:-tests,kernels,quant,reference,latency,throughput,serve,serve_short,serve_prefix,profile,quantized,breakdown,async_mix},"
 M="--model benchmarks/workloads/llama-3.1-8b --load-format dummy --max-model-len 4096"
 K="python3 -m kiln.cli"
 want() { [[ $STAGES == *",$1,"* ]]; }
@@ -100,6 +100,16 @@ if want quantized; then
     --num-iters 2 --output-dir "$R/latency_fp8kv" > "$R/latency_fp8kv.log" 2>&1; tail -5 "$R/latency_fp8kv.log"
   $K bench throughput $M --quantization fp8 --workload benchmarks/workloads/throughput-64x512x256.json \
     --output-dir "$R/throughput64_fp8" > "$R/throughput64_fp8.log" 2>&1; tail -6 "$R/throughput64_fp8.log"
+fi
+if want breakdown; then
+  stage "512 x 512/256: steps against their floors, kernels summed"
+  python3 benchmarks/run_breakdown.py $M --max-num-seqs 512 \
+    --workload benchmarks/workloads/throughput-512x512x256.json --kernels --output-dir "$R/breakdown" \
+    > "$R/breakdown.txt" 2>&1; head -16 "$R/breakdown.txt"
+fi
+if want async_mix; then
+  stage "plain requests beside structured / penalized / logprobs ones, async on and off"
+  python3 benchmarks/async_mix.py > "$R/async_mix.txt" 2>&1; tail -4 "$R/async_mix.txt"
 fi
 stage done
 tar czf "$OUT/suite.tgz" --exclude='*trace*' -C "$R" . && ls -la "$OUT"
