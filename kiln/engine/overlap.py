@@ -44,7 +44,7 @@ samples, and KV blocks running out (preemption).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -78,7 +78,7 @@ class InFlightStep:
         if ids.device.type != "cuda":
             return cls(out, result, ids, logprobs, None, time.monotonic())
         if logprobs is not None:
-            logprobs = LogprobsTensors(*(_to_host(t) for t in _tensors_of(logprobs)))
+            logprobs = logprobs.map(_to_host)
         host = _to_host(ids)
         done = torch.cuda.Event()
         done.record()
@@ -99,7 +99,7 @@ class InFlightStep:
             rows = torch.tensor(live, dtype=torch.int64)
             ids = ids[rows]
             if logprobs is not None:
-                logprobs = LogprobsTensors(*(t[rows] for t in _tensors_of(logprobs)))
+                logprobs = logprobs.map(lambda t: t[rows])
         out = SchedulerOutput(scheduled=[item for item in self.out.scheduled
                                          if not item.seq.finished])
         return out, StepResult([result.seqs[r] for r in live],
@@ -110,11 +110,6 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of ``tensor``, queued on the current stream."""
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
-
-
-def _tensors_of(logprobs: LogprobsTensors) -> tuple[torch.Tensor, ...]:
-    """The tensors of ``logprobs`` in field order (dataclasses.astuple would copy them)."""
-    return tuple(getattr(logprobs, f.name) for f in fields(logprobs))
 
 
 def _chains(seq: Sequence, request: Request) -> bool:

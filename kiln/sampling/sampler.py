@@ -11,7 +11,7 @@ the caller decides when to wait for the GPU (by reading `SamplerOutput.token_ids
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,11 @@ class LogprobsTensors:
     token_ranks: Tensor
     topk_token_ids: Tensor  # [num_rows, max_k] int64, most likely first
     topk_logprobs: Tensor  # [num_rows, max_k] float32
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> LogprobsTensors:
+        """``fn`` applied to each tensor (a copy to the host, a selection of rows)."""
+        return LogprobsTensors(fn(self.token_logprobs), fn(self.token_ranks),
+                               fn(self.topk_token_ids), fn(self.topk_logprobs))
 
 
 @dataclass

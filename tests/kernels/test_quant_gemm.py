@@ -376,11 +376,16 @@ def test_gpu_dense_gemv(n, k):
 
 
 @gpu
-@pytest.mark.parametrize("rows", [16, 4099])
-def test_gpu_residual_added_where_the_rows_dequantize_for_cublas(rows):
-    """wint_linear(residual=r): where the rows take dequantize + cuBLAS, cuBLAS adds the result
-    into r in its epilogue and None comes back; on the Triton paths the result comes back and r
-    is left alone (tests/models/test_residual_epilogue.py: the dense layers)."""
+@pytest.mark.parametrize("path", ["dequantize", "triton"])
+def test_gpu_residual_added_where_the_rows_dequantize_for_cublas(path, monkeypatch):
+    """wint_linear(residual=r): where the rows take dequantize + cuBLAS (forced here past the
+    tile kernels' rows), cuBLAS adds the result into r in its epilogue and None comes back; on a
+    Triton path (16 rows) the result comes back and r is left alone
+    (tests/models/test_residual_epilogue.py: the dense layers)."""
+    rows = 16 if path == "triton" else qg.FUSED_MAX_M[4] + 235
+    if path == "dequantize":
+        monkeypatch.setattr(qg, "_mma_applies", lambda *args: False)
+        monkeypatch.setattr(qg, "_ws_takes", lambda *args: False)
     gen = torch.Generator().manual_seed(rows)
     qweight, scales, zeros, w64 = make_weight(512, 1024, 4, 128, True, gen=gen)
     args = (qweight.cuda(), scales.to("cuda", torch.bfloat16), None, 4, 128)
@@ -388,9 +393,7 @@ def test_gpu_residual_added_where_the_rows_dequantize_for_cublas(rows):
     residual = torch.randn(rows, 512, generator=gen).to("cuda", torch.bfloat16)
     before = residual.clone()
     out = qg.wint_linear(x, *args, residual=residual)
-    cublas = not (rows <= qg.FUSED_MAX_M[4] or qg._mma_applies(x, args[0], None, None, 4, 128)
-                  or qg._ws_takes(x, args[0], args[1], None, None, None, 4, 128, None))
-    assert (out is None) == cublas
+    assert (out is None) == (path == "dequantize")
     if out is not None:
         assert torch.equal(residual, before)
         residual = before + out
