@@ -8,7 +8,10 @@ scheduling on and off, one engine each, in the order given.
 Until 4a86381 such a request sent every step it was in through the synchronous path; now a
 chained step holding one applies the step in flight between its forward and its sampling. The
 structured requests follow a JSON schema (their outputs are checked to parse); dummy weights
-of the Llama-3.1-8B architecture by default, its tokenizer from the checkpoint folder.
+of the Llama-3.1-8B architecture by default. Grammars need a tokenizer: a model folder without one
+(the workloads' config-only folders) runs with kiln-tiny's beside its config (--tokenizer-from),
+whose ids all lie inside the 8B vocabulary; the masks then cost what a real tokenizer's would
+per step, as they are built over the model's whole vocabulary.
 """
 
 from __future__ import annotations
@@ -16,10 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 from kiln.llm import LLM
+from kiln.models.loader import resolve_model_path
 from kiln.sampling.params import SamplingParams, StructuredOutputsParams
+from kiln.zoo import model_path
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
@@ -34,6 +42,23 @@ def mixed_params(num: int, output_len: int) -> list[SamplingParams]:
                   min_tokens=output_len // 2, ignore_eos=True),
              dict(temperature=0.0, logprobs=5, ignore_eos=True)]
     return [SamplingParams(max_tokens=output_len, **kinds[i % len(kinds)]) for i in range(num)]
+
+
+def with_tokenizer(model: str, tokenizer_from: str, workdir: str) -> str:
+    """``model`` itself when its folder holds a tokenizer, else a folder in ``workdir`` with its
+    config.json and the tokenizer files of ``tokenizer_from`` (a folder or zoo name)."""
+    path = resolve_model_path(model)
+    if (path / "tokenizer.json").exists():
+        return model
+    source = Path(tokenizer_from) if Path(tokenizer_from).is_dir() else Path(
+        model_path(tokenizer_from))
+    target = Path(workdir) / "model"
+    target.mkdir()
+    shutil.copy(path / "config.json", target)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, target)
+    print(f"{path} has no tokenizer: {source.name}'s beside its config", flush=True)
+    return str(target)
 
 
 def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
@@ -55,19 +80,24 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--orders", default="on,off,on,off")
     parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--tokenizer-from", default="kiln-tiny",
+                        help="tokenizer for a model folder without one (folder or zoo name)")
     args = parser.parse_args()
+    workdir = tempfile.mkdtemp(prefix="async_mix_")
+    model = with_tokenizer(args.model, args.tokenizer_from, workdir)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 8000) for _ in range(args.input_len)]  # within any vocab here
                for _ in range(args.num_requests)]
     params = mixed_params(args.num_requests, args.output_len)
     for order in args.orders.split(","):
-        llm = LLM(args.model, load_format=args.load_format, enable_prefix_caching=False,
+        llm = LLM(model, load_format=args.load_format, enable_prefix_caching=False,
                   async_scheduling=order == "on", max_model_len=args.input_len + args.output_len)
         run(llm, prompts[:4], params[:4])  # warm-up: every kind once
         elapsed, tokens = run(llm, prompts, params)
         print(f"async {order}: {tokens} output tokens in {elapsed:.2f} s, "
               f"{tokens / elapsed:,.1f} tok/s", flush=True)
         del llm
+    shutil.rmtree(workdir)
 
 
 if __name__ == "__main__":
