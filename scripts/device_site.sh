@@ -6,14 +6,15 @@
 #   scripts/device_site.sh [PYTHON_VERSION]     (default 3.12, the device's)
 #
 # The device image has torch, triton, transformers, httpx, jinja2, prometheus_client ... but not
-# xgrammar (a core dependency), pydantic / fastapi / uvicorn (kiln serve) or the openai client
-# (the serve tests). The versions are the ones installed here, so that the device runs what CI
+# xgrammar (a core dependency), pydantic / fastapi / uvicorn (kiln serve), the openai client
+# (the serve tests) or, maybe, nvidia-ml-py (kiln bench's GPU telemetry). The versions are the ones installed here, so that the device runs what CI
 # tests. The wheels are unpacked and packed again as one .tar.xz: zipped wheels would not fit
 # beside the tracked tree under the device call's 64 MiB (the xz is ~5.5 MB, the wheels ~9 MB).
 set -euo pipefail
 PY=${1:-3.12}
 PACKAGES="xgrammar apache-tvm-ffi pydantic pydantic_core annotated_types typing_inspection
-  opentelemetry-api fastapi starlette uvicorn sniffio openai httpx2 httpcore2 jiter truststore"
+  opentelemetry-api fastapi starlette uvicorn sniffio openai httpx2 httpcore2 jiter truststore
+  nvidia-ml-py"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 specs=()

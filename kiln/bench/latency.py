@@ -20,6 +20,7 @@ from kiln.bench.env import measure_bandwidth_gbps
 from kiln.bench.hf_peer import HFPeer
 from kiln.bench.result import make_result
 from kiln.bench.stats import latency_metrics, request_latencies, summarize
+from kiln.bench.telemetry import GpuTelemetry
 from kiln.bench.workload import BenchRequest, WorkloadSpec, build_requests
 from kiln.models.loader import resolve_device, resolve_model_path
 from kiln.progress import make_progress
@@ -105,22 +106,29 @@ def _run_kiln(cfg: LatencyConfig, progress: Any) -> tuple[list[dict], list[dict]
             "startup_seconds": llm.engine.startup_seconds,
             "scheduler": asdict(llm.engine.config.scheduler)}
     metrics, records = [], []
+    gpu = GpuTelemetry.of(loaded.device)
     for case, (b, i, o) in enumerate(cfg.cases()):
         batches = case_requests(cfg, case, b, i, o, info["vocab_size"])
         for w in range(cfg.num_iters_warmup):
             warm = [BenchRequest(r.prompt, min(o, WARMUP_OUTPUT_LEN)) for r in batches[w]]
             offline.run_requests(llm, warm, progress, f"warm-up bs={b} in={i} out={o}")
         seconds, case_records = [], []
-        for it in range(cfg.num_iters):
-            offline.sync(loaded.device)
-            t0 = time.monotonic()
-            outs = offline.run_requests(llm, batches[cfg.num_iters_warmup + it], progress,
-                                        f"bs={b} in={i} out={o} iter {it + 1}/{cfg.num_iters}")
-            offline.sync(loaded.device)
-            seconds.append(time.monotonic() - t0)
-            case_records += [offline.request_record(out, case, t0) for out in outs]
+        offline.sync(loaded.device)
+        with gpu:  # the case's iterations back to back
+            span_start = time.monotonic()
+            for it in range(cfg.num_iters):
+                offline.sync(loaded.device)
+                t0 = time.monotonic()
+                outs = offline.run_requests(
+                    llm, batches[cfg.num_iters_warmup + it], progress,
+                    f"bs={b} in={i} out={o} iter {it + 1}/{cfg.num_iters}")
+                offline.sync(loaded.device)
+                seconds.append(time.monotonic() - t0)
+                case_records += [offline.request_record(out, case, t0) for out in outs]
+            span_s = time.monotonic() - span_start
         m = {"case": {"batch_size": b, "input_len": i, "output_len": o},
              "num_iters": cfg.num_iters, **_case_metrics(case_records, seconds, b, o)}
+        m["gpu"] = gpu.summary(span_s, sum(r["output_tokens"] for r in case_records))
         metrics.append(m)
         records += case_records
     info["model_path"] = loaded.path

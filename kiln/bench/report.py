@@ -75,11 +75,34 @@ def _serve_table(metrics: list[dict]) -> str:
     return markdown_table(headers, rows)
 
 
+def _gpu_table(metrics: list[dict]) -> str:
+    """What the GPU did while each case was timed (kiln/bench/telemetry.py); "" for a result
+    without telemetry (serve runs, older files)."""
+    gpus = [(m, m["gpu"]) for m in metrics if "gpu" in m]
+    if not gpus:
+        return ""
+    if not any(g["available"] for _, g in gpus):
+        return f"\nGPU telemetry: none ({gpus[0][1]['reason']})\n"
+    headers = ["case", "energy J", "J / output token", "power W (limit)",
+               "SM clock MHz mean / min (max)", "at power cap", "thermal slowdown"]
+    rows = []
+    for m, g in gpus:
+        if not g["available"]:
+            continue
+        rows.append([
+            case_label(m["case"]), g["energy_j"], fmt(g.get("joules_per_output_token"), 3),
+            f"{g['mean_power_w']:,.0f} ({g['power_limit_w']:,.0f})",
+            f"{g['mean_sm_clock_mhz']:,.0f} / {g['min_sm_clock_mhz']:,.0f} "
+            f"({g['max_sm_clock_mhz']:,.0f})",
+            f"{100 * g['power_capped_share']:.0f}%", f"{100 * g['thermal_share']:.0f}%"])
+    return "\nGPU while timed (NVML, every 0.1 s):\n\n" + markdown_table(headers, rows)
+
+
 def summary_markdown(result: dict[str, Any]) -> str:
     kind = result["kind"]
     body = {"latency": _latency_table, "throughput": _throughput_table,
             "serve": _serve_table}[kind](result["metrics"])
-    md = header_md(result, TITLES[kind]) + body
+    md = header_md(result, TITLES[kind]) + body + _gpu_table(result["metrics"])
     if result.get("ceilings"):
         md += "\nceilings: " + ", ".join(f"{k}={v:,.0f}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in result["ceilings"].items()) + "\n"

@@ -16,6 +16,7 @@ from kiln.bench import offline
 from kiln.bench.hf_peer import HFPeer
 from kiln.bench.result import make_result
 from kiln.bench.stats import latency_metrics
+from kiln.bench.telemetry import GpuTelemetry
 from kiln.bench.workload import (
     WARMUP_SEED_OFFSET,
     WorkloadSpec,
@@ -58,12 +59,14 @@ def _run_kiln(cfg: ThroughputConfig, progress: Any) -> tuple[dict, list[dict], d
                                 cfg.num_warmups, WARMUP_OUTPUT_LEN)
         offline.run_requests(llm, warm, progress, "warm-up")
     offline.sync(loaded.device)
-    t0 = time.monotonic()
-    outs = offline.run_requests(llm, requests, progress, f"{len(requests)} requests")
-    offline.sync(loaded.device)
-    elapsed = time.monotonic() - t0
+    with GpuTelemetry.of(loaded.device) as gpu:
+        t0 = time.monotonic()
+        outs = offline.run_requests(llm, requests, progress, f"{len(requests)} requests")
+        offline.sync(loaded.device)
+        elapsed = time.monotonic() - t0
     records = [offline.request_record(out, 0, t0) for out in outs]
     metrics = {"case": {"num_prompts": len(requests)}, **throughput_metrics(records, elapsed)}
+    metrics["gpu"] = gpu.summary(elapsed, metrics["total_output_tokens"])
     info = {"dtype": loaded.dtype, "device": loaded.device, "path": loaded.path,
             "startup_seconds": llm.engine.startup_seconds, "requests": requests,
             "scheduler": asdict(llm.engine.config.scheduler)}

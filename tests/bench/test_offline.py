@@ -54,6 +54,7 @@ def test_latency_grid_with_hf_peer(tiny_llama, tmp_path):
     assert r["config"]["weight_bytes"] > 0
     assert r["config"]["scheduler"]["max_num_batched_tokens"] == 8192  # resolved: a CPU run
     assert "speedup vs HF" in (out / "summary.md").read_text()
+    assert all(m["gpu"]["available"] is False for m in r["metrics"])
 
 
 def test_throughput_from_jsonl_with_hf_peer(tiny_llama, tmp_path):
@@ -87,6 +88,10 @@ def test_throughput_from_jsonl_with_hf_peer(tiny_llama, tmp_path):
     assert m["peer"]["total_input_tokens"] == m["total_input_tokens"]  # same prompts
     assert m["peer_speedup"]["output_tokens_per_s"] > 0
     assert r["config"]["scheduler"]["max_num_seqs"] == 256  # the engine's, as resolved
+    # a CPU run has no GPU counters: the result says so, and the summary names why
+    assert m["gpu"] == {"available": False, "reason": "no GPU counters on a cpu device"}
+    assert "GPU telemetry: none (no GPU counters on a cpu device)" in (
+        out / "summary.md").read_text()
 
 
 def test_canonical_workload_file_with_override(tiny_llama, tmp_path):
