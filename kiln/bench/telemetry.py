@@ -98,7 +98,9 @@ def open_reader(device: torch.device | str) -> tuple[Reader | None, str | None]:
     except ImportError:
         return None, "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
     try:
-        return NvmlReader(device), None
+        reader = NvmlReader(device)
+        reader.sample()  # a board that lacks a query fails here, not in the timed span
+        return reader, None
     except Exception as exc:  # NVML raises its own error class per failure; all mean "none"
         return None, f"NVML: {type(exc).__name__}: {exc}"
 
@@ -115,6 +117,7 @@ class GpuTelemetry:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._energy: tuple[int | None, int | None] = (None, None)
+        self._error: str | None = None
 
     @classmethod
     def of(cls, device: torch.device | str, interval_s: float = SAMPLE_INTERVAL_S
@@ -123,24 +126,35 @@ class GpuTelemetry:
 
     def __enter__(self) -> GpuTelemetry:
         if self._reader is not None:
-            self._samples, self._stop = [], threading.Event()
+            self._samples, self._stop, self._error = [], threading.Event(), None
             self._energy = (self._reader.energy_mj(), None)
-            self._samples.append(self._reader.sample())
+            self._sample()
             self._thread = threading.Thread(target=self._run, name="kiln-gpu-telemetry",
                                             daemon=True)
             self._thread.start()
         return self
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+    def _sample(self) -> bool:
+        """One more sample; False once the reader fails (the error is kept for the summary)."""
+        if self._error is not None:
+            return False
+        try:
             self._samples.append(self._reader.sample())
+        except Exception as exc:  # a driver hiccup ends the sampling, never the run
+            self._error = f"sampling stopped: {type(exc).__name__}: {exc}"
+            return False
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s) and self._sample():
+            pass
 
     def __exit__(self, *exc: object) -> None:
         if self._reader is None:
             return
         self._stop.set()
         self._thread.join()
-        self._samples.append(self._reader.sample())
+        self._sample()
         self._energy = (self._energy[0], self._reader.energy_mj())
 
     def summary(self, seconds: float, output_tokens: int | None = None) -> dict[str, Any]:
@@ -150,6 +164,8 @@ class GpuTelemetry:
             return {"available": False, "reason": self._why}
         samples = self._samples
         n = len(samples)
+        if n == 0:
+            return {"available": False, "reason": self._error}
         mean_power = sum(s.power_w for s in samples) / n
         start, end = self._energy
         if start is not None and end is not None:
@@ -168,4 +184,6 @@ class GpuTelemetry:
         }
         if output_tokens:
             out["joules_per_output_token"] = energy_j / output_tokens
+        if self._error is not None:
+            out["error"] = self._error
         return out

@@ -92,3 +92,32 @@ def test_the_summary_table_shows_each_case():
     assert "| bs=1 in=128 out=256 | 1.0 | 0.004 | 700 (700) | 1,400 / 1,400 (1,980) | 100% | 0% |" \
         in table
     assert _gpu_table([{"case": {}}]) == ""  # results without telemetry print nothing
+
+
+
+class FailingReader(ScriptedReader):
+    """Answers ``good`` samples, then raises as a driver might."""
+
+    def __init__(self, good: int) -> None:
+        super().__init__([FREE])
+        self._good = good
+
+    def sample(self) -> Sample:
+        if self.reads >= self._good:
+            self.reads += 1
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return super().sample()
+
+
+@pytest.mark.parametrize("good", [0, 1, 3])
+def test_a_failing_sample_ends_the_sampling_not_the_run(good):
+    gpu = GpuTelemetry(FailingReader(good), interval_s=0.005)
+    with gpu:
+        time.sleep(0.1)
+    s = gpu.summary(seconds=0.1, output_tokens=10)
+    if good == 0:  # not one sample: nothing to report but why
+        assert s == {"available": False,
+                     "reason": "sampling stopped: RuntimeError: NVML_ERROR_GPU_IS_LOST"}
+    else:
+        assert s["samples"] == good and s["mean_power_w"] == pytest.approx(300.0)
+        assert s["error"] == "sampling stopped: RuntimeError: NVML_ERROR_GPU_IS_LOST"
