@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from kiln.llm import LLM
-from kiln.models.loader import resolve_model_path
+from kiln.models.loader import TOKENIZER_FILES, resolve_model_path
 from kiln.sampling.params import SamplingParams, StructuredOutputsParams
 from kiln.zoo import model_path
 
@@ -48,7 +48,7 @@ def with_tokenizer(model: str, tokenizer_from: str, workdir: str) -> str:
     """``model`` itself when its folder holds a tokenizer, else a folder in ``workdir`` with its
     config.json and the tokenizer files of ``tokenizer_from`` (a folder or zoo name)."""
     path = resolve_model_path(model)
-    if (path / "tokenizer.json").exists():
+    if any((path / f).exists() for f in TOKENIZER_FILES):
         return model
     source = Path(tokenizer_from) if Path(tokenizer_from).is_dir() else Path(
         model_path(tokenizer_from))

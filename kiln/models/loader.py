@@ -198,9 +198,11 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             param.data.uniform_(-0.02, 0.02, generator=generator)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any: a tokenizer
+
+
 def load_tokenizer(path: Path) -> Any:
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
-                                              "tokenizer.model")):
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
