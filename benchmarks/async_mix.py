@@ -46,7 +46,8 @@ def mixed_params(num: int, output_len: int) -> list[SamplingParams]:
 
 def with_tokenizer(model: str, tokenizer_from: str, workdir: str) -> str:
     """``model`` itself when its folder holds a tokenizer, else a folder in ``workdir`` with its
-    config.json and the tokenizer files of ``tokenizer_from`` (a folder or zoo name)."""
+    config.json and the tokenizer files of ``tokenizer_from`` (a folder or zoo name), those the
+    loader reads (TOKENIZER_FILES)."""
     path = resolve_model_path(model)
     if any((path / f).exists() for f in TOKENIZER_FILES):
         return model
@@ -55,8 +56,9 @@ def with_tokenizer(model: str, tokenizer_from: str, workdir: str) -> str:
     target = Path(workdir) / "model"
     target.mkdir()
     shutil.copy(path / "config.json", target)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, target)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, target)
     print(f"{path} has no tokenizer: {source.name}'s beside its config", flush=True)
     return str(target)
 
@@ -83,21 +85,21 @@ def main() -> None:
     parser.add_argument("--tokenizer-from", default="kiln-tiny",
                         help="tokenizer for a model folder without one (folder or zoo name)")
     args = parser.parse_args()
-    workdir = tempfile.mkdtemp(prefix="async_mix_")
-    model = with_tokenizer(args.model, args.tokenizer_from, workdir)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 8000) for _ in range(args.input_len)]  # within any vocab here
                for _ in range(args.num_requests)]
     params = mixed_params(args.num_requests, args.output_len)
-    for order in args.orders.split(","):
-        llm = LLM(model, load_format=args.load_format, enable_prefix_caching=False,
-                  async_scheduling=order == "on", max_model_len=args.input_len + args.output_len)
-        run(llm, prompts[:4], params[:4])  # warm-up: every kind once
-        elapsed, tokens = run(llm, prompts, params)
-        print(f"async {order}: {tokens} output tokens in {elapsed:.2f} s, "
-              f"{tokens / elapsed:,.1f} tok/s", flush=True)
-        del llm
-    shutil.rmtree(workdir)
+    with tempfile.TemporaryDirectory(prefix="async_mix_") as workdir:
+        model = with_tokenizer(args.model, args.tokenizer_from, workdir)
+        for order in args.orders.split(","):
+            llm = LLM(model, load_format=args.load_format, enable_prefix_caching=False,
+                      async_scheduling=order == "on",
+                      max_model_len=args.input_len + args.output_len)
+            run(llm, prompts[:4], params[:4])  # warm-up: every kind once
+            elapsed, tokens = run(llm, prompts, params)
+            print(f"async {order}: {tokens} output tokens in {elapsed:.2f} s, "
+                  f"{tokens / elapsed:,.1f} tok/s", flush=True)
+            del llm
 
 
 if __name__ == "__main__":

@@ -83,19 +83,19 @@ def _gpu_table(metrics: list[dict]) -> str:
         return ""
     if not any(g["available"] for _, g in gpus):
         return f"\nGPU telemetry: none ({gpus[0][1]['reason']})\n"
+    gpus = [(m, g) for m, g in gpus if g["available"]]
     headers = ["case", "energy J", "J / output token", "power W (limit)",
                "SM clock MHz mean / min (max)", "at power cap", "thermal slowdown"]
     rows = []
     for m, g in gpus:
-        if not g["available"]:
-            continue
         rows.append([
             case_label(m["case"]), g["energy_j"], fmt(g.get("joules_per_output_token"), 3),
             f"{g['mean_power_w']:,.0f} ({g['power_limit_w']:,.0f})",
             f"{g['mean_sm_clock_mhz']:,.0f} / {g['min_sm_clock_mhz']:,.0f} "
             f"({g['max_sm_clock_mhz']:,.0f})",
             f"{100 * g['power_capped_share']:.0f}%", f"{100 * g['thermal_share']:.0f}%"])
-    return "\nGPU while timed (NVML, every 0.1 s):\n\n" + markdown_table(headers, rows)
+    every = gpus[0][1]["interval_s"]
+    return f"\nGPU while timed (NVML, every {every:g} s):\n\n" + markdown_table(headers, rows)
 
 
 def summary_markdown(result: dict[str, Any]) -> str:

@@ -89,6 +89,7 @@ def test_the_summary_table_shows_each_case():
     metrics = [{"case": {"batch_size": 1, "input_len": 128, "output_len": 256},
                 "gpu": gpu.summary(1.0, 256)}]
     table = _gpu_table(metrics)
+    assert "GPU while timed (NVML, every 3600 s)" in table  # the interval the samples had
     assert "| bs=1 in=128 out=256 | 1.0 | 0.004 | 700 (700) | 1,400 / 1,400 (1,980) | 100% | 0% |" \
         in table
     assert _gpu_table([{"case": {}}]) == ""  # results without telemetry print nothing
