@@ -14,7 +14,9 @@ MAX_PREFILL_SEQS prompts, T tokens in all, laid end to end (varlen, as the eager
 each the whole prompt, or what follows a cached prefix (a prefix-cache hit, or the rest of a
 prompt the token budget cut), whose keys the prefill kernel reads from the pages. Sequence slots
 left empty have no query rows, so their attention programs return at once; padded rows write no
-KV and no real row attends to them.
+KV and no real row attends to them. Past its attention the last layer runs only each slot's last
+row (OutputRows); an empty slot's is the last real row again, attending a one-token sequence, and
+its logits are dropped.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 import torch
 
 from kiln.kernels.argmax import argmax_rows
-from kiln.layers.attention import AttentionMetadata
+from kiln.layers.attention import AttentionMetadata, last_rows
 from kiln.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("kiln.engine")
@@ -95,7 +97,7 @@ class StepGraphs:
         self.prefill_cu_seqlens_q = torch.zeros(seqs + 1, dtype=torch.int32, **on)
         self.prefill_seq_lens = torch.ones(seqs, dtype=torch.int32, **on)
         self.prefill_block_tables = torch.zeros(seqs, max_blocks, dtype=torch.int32, **on)
-        self.last_index = torch.zeros(seqs, dtype=torch.int64, **on)  # each prompt's last row
+        self.prefill_seqs = torch.arange(seqs, **on)  # each slot's last row is read (sampled)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, **on)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, **on)
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, **on)
@@ -132,9 +134,8 @@ class StepGraphs:
     def _forward(self, key: tuple[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
         kind, size = key
         meta = self._decode_meta(size) if kind == "decode" else self._prefill_meta(size)
-        hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
-        if kind == "prefill":
-            hidden = hidden.index_select(0, self.last_index)
+        rows = last_rows(meta, self.prefill_seqs) if kind == "prefill" else None
+        hidden = self.model(self.input_ids[:size], self.positions[:size], meta, rows)
         logits = self.model.compute_logits(hidden)
         return logits, argmax_rows(logits)
 
@@ -220,11 +221,9 @@ class StepGraphs:
             host.tables[i, : len(table)] = pages
             row += n
             host.prefill_cu[i + 1] = row
-            host.prefill_last[i] = row - 1
         used = len(chunks)
         host.prefill_cu[used + 1:] = row  # empty slots: no query rows
         host.seq_lens[used:MAX_PREFILL_SEQS] = 1
-        host.prefill_last[used:] = 0
         host.positions[row:size] = 0  # padded rows: any position the rotary table holds
         host.slots[row:size] = -1
         for dst, src in ((self.input_ids, host.ids), (self.positions, host.positions),
@@ -232,7 +231,6 @@ class StepGraphs:
             dst[:size].copy_(src[:size], non_blocking=True)
         self.prefill_cu_seqlens_q.copy_(host.prefill_cu, non_blocking=True)
         self.prefill_seq_lens.copy_(host.seq_lens[:MAX_PREFILL_SEQS], non_blocking=True)
-        self.last_index.copy_(host.prefill_last, non_blocking=True)
         self.prefill_block_tables[:used, :width].copy_(host.tables[:used, :width],
                                                        non_blocking=True)
         key = ("prefill", size)
@@ -284,6 +282,5 @@ class HostInputs:
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
         self.slots = torch.zeros(max_tokens, dtype=torch.int64, **pinned)
         self.prefill_cu = torch.zeros(MAX_PREFILL_SEQS + 1, dtype=torch.int32, **pinned)
-        self.prefill_last = torch.zeros(MAX_PREFILL_SEQS, dtype=torch.int64, **pinned)
         self.seq_lens = torch.ones(max_rows, dtype=torch.int32, **pinned)
         self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, **pinned)

@@ -20,7 +20,7 @@ from kiln.engine.cuda_graphs import StepGraphs
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kiln.engine.sequence import Sequence
-from kiln.layers.attention import AttentionMetadata
+from kiln.layers.attention import AttentionMetadata, last_rows
 from kiln.models.loader import LoadedModel
 from kiln.sampling.params import SamplingParams
 from kiln.sampling.sampler import (
@@ -154,18 +154,22 @@ class ModelRunner:
         # sort: a chained step comes in this order already, as its lookahead ids are laid out)
         scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
         batch = self.prepare(scheduled, lookahead_ids)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
+        read = [i for i, item in enumerate(scheduled) if item.samples]
+        # the last layer runs only the sampled rows, unless prompt logprobs read others too
+        rows = (last_rows(batch.meta, upload(torch.tensor(read), self.device))
+                if read and len(read) < ends[-1] + 1
+                and all(item.request.prompt_logprobs is None for item in scheduled) else None)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, rows)
         prompt_lps = self._prompt_logprobs(scheduled, hidden, ends)
-        sampling = [(item, int(end)) for item, end in zip(scheduled, ends, strict=True)
-                    if item.samples]
-        if not sampling:
+        if not read:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return StepResult([], [], empty, None, prompt_lps)
-        logits = self.model.compute_logits(take_rows(hidden, [row for _, row in sampling]))
+        logits = self.model.compute_logits(
+            hidden if rows is not None else take_rows(hidden, [int(ends[i]) for i in read]))
         if before_sampling is not None:
             before_sampling()
-        return self._sample(logits, [(item, i) for i, (item, _) in enumerate(sampling)],
+        return self._sample(logits, [(scheduled[i], row) for row, i in enumerate(read)],
                             prompt_lps)
 
     def _graph_step(self, scheduled: list[ScheduledSeq]) -> bool:

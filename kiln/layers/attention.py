@@ -42,6 +42,30 @@ class AttentionMetadata:
     prefill: AttentionMetadata | None = None
 
 
+@dataclass
+class OutputRows:
+    """The rows of a flat batch whose final hidden states the caller reads: the last row of each
+    sequence that samples. The last layer attends and runs its MLP for these rows only (every row
+    still writes its K/V, which later tokens read); at a prefill step that skips the last layer's
+    o_proj and MLP for all but one row a prompt, ~1/32 of an 8B model's prefill GEMMs."""
+
+    index: torch.Tensor  # [n] int64, rows of the batch, each the last of its sequence
+    meta: AttentionMetadata  # one query per kept row (decode-shaped), over its whole sequence
+
+
+def last_rows(meta: AttentionMetadata, seqs: torch.Tensor) -> OutputRows:
+    """OutputRows keeping the last row of each sequence ``seqs`` ([n] int64 indices of meta's
+    sequences, on its device): gathered on the device, so a CUDA graph can hold it too."""
+    return OutputRows(
+        index=meta.cu_seqlens_q[1:].index_select(0, seqs).long() - 1,
+        meta=AttentionMetadata(
+            slot_mapping=None,
+            cu_seqlens_q=torch.arange(seqs.shape[0] + 1, dtype=torch.int32, device=seqs.device),
+            seq_lens=meta.seq_lens.index_select(0, seqs),
+            block_tables=meta.block_tables.index_select(0, seqs), max_seqlen_q=1,
+            max_seqlen_k=meta.max_seqlen_k, kv_caches=meta.kv_caches, backend=meta.backend))
+
+
 class Attention(nn.Module):
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  window: int | None = None) -> None:
@@ -57,8 +81,10 @@ class Attention(nn.Module):
         self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] before rotary, positions [T] -> [T, H * D].
+                positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                rows: OutputRows | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] before rotary, positions [T] -> [T, H * D], or with
+        ``rows`` [len(rows.index), H * D]: every row's K/V is written, only those rows attend.
 
         q and k are rotated with ``cos_sin_cache`` ([max_positions, rot_dim] float32, see
         kiln/layers/rotary.py). q, k, v stay the first three arguments: calibration's forward
@@ -72,11 +98,14 @@ class Attention(nn.Module):
         # as they are (the rotated k from the rotary launch, v itself): contiguous rows load
         # faster than pages. An fp8 cache keeps the read-back, so that every key is attended in
         # the precision it is stored in.
-        new_kv = meta.backend == "triton" and not fp8 and meta.max_seqlen_q > 1
+        new_kv = (meta.backend == "triton" and not fp8 and meta.max_seqlen_q > 1
+                  and rows is None)
         k_new = torch.empty(k.shape, dtype=k.dtype, device=k.device) if new_kv else None
         v_new = v if new_kv else None
         q = rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                                   meta.slot_mapping, self.k_scale, self.v_scale, k_new)
+        if rows is not None:  # the kept rows read their sequences back from the cache
+            q, meta = q.index_select(0, rows.index), rows.meta
         if meta.backend != "triton":
             out = paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                       meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k,

@@ -15,6 +15,7 @@ from kiln.kernels.row_quant import QuantizedRows
 from kiln.layers.attention import (
     Attention,
     AttentionMetadata,
+    OutputRows,
     contiguous_kv_caches,
     contiguous_metadata,
 )
@@ -51,8 +52,10 @@ class LlamaAttention(nn.Module):
                               cfg.layer_windows[layer_idx])
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The attention output, or None where o_proj added it into ``residual`` (Linear)."""
+                residual: torch.Tensor | None = None,
+                rows: OutputRows | None = None) -> torch.Tensor | None:
+        """The attention output (of ``rows`` only, when given), or None where o_proj added it
+        into ``residual`` (Linear)."""
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -61,7 +64,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: before rotary, which runs inside self.attn
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, meta, positions, self.rotary.cos_sin_cache),
+        return self.o_proj(self.attn(q, k, v, meta, positions, self.rotary.cos_sin_cache, rows),
                            residual=residual)
 
 
@@ -93,11 +96,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | None,
-                residual: torch.Tensor | None, meta: AttentionMetadata
-                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                residual: torch.Tensor | None, meta: AttentionMetadata,
+                rows: OutputRows | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(x, residual) -> (the MLP's output, the residual stream). The first layer gets the
         embeddings as x and no residual. A None x is an output already added into the residual
-        by the GEMM that made it (Linear's ``residual``)."""
+        by the GEMM that made it (Linear's ``residual``). With ``rows`` (the last layer) both
+        come out for those rows only: the other rows just write their K/V."""
         # a W8A8 projection takes its input as codes, written by the norm before it
         num_rows = positions.shape[0]
         quant = self.self_attn.qkv_proj.input_quant(num_rows)
@@ -106,9 +110,11 @@ class LlamaDecoderLayer(nn.Module):
             x = self.input_layernorm(x, quant=quant)
         else:
             x, residual = self.input_layernorm(x, residual, quant)
-        x = self.self_attn(positions, x, meta, residual)
+        if rows is not None:
+            residual = residual.index_select(0, rows.index)
+        x = self.self_attn(positions, x, meta, residual, rows)
         x, residual = self.post_attention_layernorm(
-            x, residual, self.mlp.gate_up_proj.input_quant(num_rows))
+            x, residual, self.mlp.gate_up_proj.input_quant(residual.shape[0]))
         return self.mlp(x, residual), residual
 
 
@@ -138,12 +144,14 @@ class LlamaForCausalLM(nn.Module):
         return self.layers[0].self_attn.num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
+                meta: AttentionMetadata, rows: OutputRows | None = None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden], or
+        [len(rows.index), hidden]: the hidden states of ``rows`` only (see OutputRows)."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, residual, meta, rows if i == last else None)
         x, _ = self.norm(x, residual)
         return x
 
