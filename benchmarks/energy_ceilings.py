@@ -9,8 +9,9 @@ kiln.bench.telemetry's NVML sampling (the board's energy counter, power, SM cloc
 
 - gemm_prefill: bf16 [16384, 4096] x [4096, 14336] (cuBLAS; a prefill step's MLP GEMMs);
 - gemm_decode:  bf16 [512, 4096] x [4096, 28672] (cuBLAS; the gate_up GEMM of a batch-512 decode);
-- gemm_decode_int4: the same through ``wint_linear`` with int4 g128 weights (the engine's
-  dispatch at 512 rows; issue 8);
+- decode_layer_bf16 / decode_layer_int4: one Llama-3.1-8B layer's four GEMMs at 512 rows as the
+  engine calls them (qkv, o, gate_up with silu(gate) * up, down), bf16 weights through ``linear``
+  or int4 g128 ones through ``wint_linear`` (issue 8: int4 against bf16 at batch 512);
 - decode_attention: Kiln's split-KV decode kernel, 512 sequences of 640 tokens, 32 query heads
   over 8 KV heads of 128 (one layer of a batch-512 decode step of that workload);
 - copy: a 1 GiB device-to-device copy (read + write counted);
@@ -33,7 +34,7 @@ from gpu_kernels import paged_problem  # benchmarks/ is the script's sys.path[0]
 
 from kiln.bench.telemetry import GpuTelemetry
 from kiln.kernels.attention_decode import paged_attention_decode_triton
-from kiln.kernels.quant_gemm import wint_linear
+from kiln.kernels.quant_gemm import linear, wint_linear
 from kiln.quant.rtn import rtn_quantize
 
 
@@ -62,12 +63,25 @@ def gemm_case(m: int, n: int, k: int, device: torch.device) -> tuple[Callable, f
     return (lambda: x @ w.t()), 2 * m * n * k / 1e15, "PFLOP"
 
 
-def int4_gemm_case(m: int, n: int, k: int, device: torch.device) -> tuple[Callable, float, str]:
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    q4 = rtn_quantize(torch.randn(n, k, device=device) * 0.02, 4, 128, True,
-                      scale_dtype=torch.bfloat16)
-    weight = (q4.qweight(), q4.scales.to(torch.bfloat16), None, 4, 128)
-    return (lambda: wint_linear(x, *weight)), 2 * m * n * k / 1e15, "PFLOP"
+# one Llama-3.1-8B layer's projections (N, K, gated): qkv, o, gate_up, down
+LAYER = ((6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False))
+
+
+def decode_layer_case(fmt: str, rows: int, device: torch.device) -> tuple[Callable, float, str]:
+    calls = []
+    for n, k, gated in LAYER:
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device) * 0.02
+        if fmt == "bf16":
+            w16 = w.to(torch.bfloat16)
+            calls.append(lambda x=x, w16=w16, gated=gated: linear(x, w16, gated=gated))
+        else:
+            q4 = rtn_quantize(w, 4, 128, True, scale_dtype=torch.bfloat16)
+            weight = (q4.qweight(), q4.scales.to(torch.bfloat16), None, 4, 128)
+            calls.append(lambda x=x, weight=weight, gated=gated: wint_linear(x, *weight,
+                                                                             gated=gated))
+    flops = sum(2 * rows * n * k for n, k, _ in LAYER)
+    return (lambda: [call() for call in calls]), flops / 1e15, "PFLOP"
 
 
 def decode_attention_case(device: torch.device) -> tuple[Callable, float, str]:
@@ -92,7 +106,8 @@ def main() -> None:
     cases = {
         "gemm_prefill": lambda: gemm_case(16384, 14336, 4096, device),
         "gemm_decode": lambda: gemm_case(512, 28672, 4096, device),
-        "gemm_decode_int4": lambda: int4_gemm_case(512, 28672, 4096, device),
+        "decode_layer_bf16": lambda: decode_layer_case("bf16", 512, device),
+        "decode_layer_int4": lambda: decode_layer_case("int4", 512, device),
         "decode_attention": lambda: decode_attention_case(device),
         "copy": lambda: copy_case(device),
     }
