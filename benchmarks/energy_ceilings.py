@@ -4,8 +4,8 @@ energy budget divided by the energy its work needs).
 
     PYTHONPATH=. python3 benchmarks/energy_ceilings.py [--seconds 4] [--out energy.json]
 
-Each case runs one operation back to back for ``--seconds`` after a warm-up, inside
-kiln.bench.telemetry's NVML sampling (the board's energy counter, power, SM clock):
+Each case replays one operation back to back (ten calls a CUDA graph) for ``--seconds`` after a
+warm-up, inside kiln.bench.telemetry's NVML sampling (the board's energy counter, power, SM clock):
 
 - gemm_prefill: bf16 [16384, 4096] x [4096, 14336] (cuBLAS; a prefill step's MLP GEMMs);
 - gemm_decode:  bf16 [512, 4096] x [4096, 28672] (cuBLAS; the gate_up GEMM of a batch-512 decode);
@@ -37,22 +37,31 @@ from kiln.kernels.attention_decode import paged_attention_decode_triton
 from kiln.kernels.quant_gemm import linear, wint_linear
 from kiln.quant.rtn import rtn_quantize
 
+CALLS_PER_REPLAY = 10
+
 
 def sustained(fn: Callable[[], object], seconds: float, device: torch.device) -> dict:
-    """Run ``fn`` back to back for ``seconds`` (after a 1 s warm-up) under NVML sampling."""
+    """Replay ``fn`` back to back for ``seconds`` under NVML sampling: warmed up for 1 s, then
+    captured ten calls to a CUDA graph, so that host launch time (~tens of us a Triton launch)
+    cannot leave the GPU idle between short calls, as the engine's decode graphs do."""
     deadline = time.perf_counter() + 1.0
     while time.perf_counter() < deadline:
         fn()
         torch.cuda.synchronize(device)
-    calls = 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_REPLAY):
+            fn()
+    replays = 0
     with GpuTelemetry.of(device) as gpu:
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
-            for _ in range(10):  # queue a few calls between host checks
-                fn()
-            calls += 10
+            for _ in range(4):  # queue a few replays between host checks
+                graph.replay()
+            replays += 4
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
+    calls = replays * CALLS_PER_REPLAY
     return {"calls": calls, "seconds": elapsed, "ms_per_call": elapsed / calls * 1e3,
             **gpu.summary(elapsed)}
 
