@@ -157,8 +157,8 @@ class ModelRunner:
         ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
         read = [i for i, item in enumerate(scheduled) if item.samples]
         # the last layer runs only the sampled rows, unless prompt logprobs read others too
-        rows = (last_rows(batch.meta, upload(torch.tensor(read), self.device))
-                if read and len(read) < ends[-1] + 1
+        rows = (last_rows(batch.meta, upload(torch.tensor(read, dtype=torch.int64), self.device))
+                if len(read) < ends[-1] + 1
                 and all(item.request.prompt_logprobs is None for item in scheduled) else None)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, rows)
         prompt_lps = self._prompt_logprobs(scheduled, hidden, ends)

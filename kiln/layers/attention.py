@@ -80,6 +80,15 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
+    def write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+              positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+              k_new: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate q and k, write k and v into this layer's cache slots (``meta.slot_mapping``);
+        returns the rotated q (and the rotated k in ``k_new`` when given)."""
+        k_cache, v_cache = meta.kv_caches[self.layer_idx]
+        return rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                                     meta.slot_mapping, self.k_scale, self.v_scale, k_new)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 rows: OutputRows | None = None) -> torch.Tensor:
@@ -102,8 +111,7 @@ class Attention(nn.Module):
                   and rows is None)
         k_new = torch.empty(k.shape, dtype=k.dtype, device=k.device) if new_kv else None
         v_new = v if new_kv else None
-        q = rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                                  meta.slot_mapping, self.k_scale, self.v_scale, k_new)
+        q = self.write(q, k, v, meta, positions, cos_sin_cache, k_new)
         if rows is not None:  # the kept rows read their sequences back from the cache
             q, meta = q.index_select(0, rows.index), rows.meta
         if meta.backend != "triton":

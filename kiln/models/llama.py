@@ -56,6 +56,17 @@ class LlamaAttention(nn.Module):
                 rows: OutputRows | None = None) -> torch.Tensor | None:
         """The attention output (of ``rows`` only, when given), or None where o_proj added it
         into ``residual`` (Linear)."""
+        q, k, v = self._qkv(x)
+        return self.o_proj(self.attn(q, k, v, meta, positions, self.rotary.cos_sin_cache, rows),
+                           residual=residual)
+
+    def write_kv(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Every row's K/V into the cache, nothing attended: the last layer where no row is
+        read (prompt chunks that sample nothing)."""
+        self.attn.write(*self._qkv(x), meta, positions, self.rotary.cos_sin_cache)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, Hkv, D], before rotary."""
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -64,8 +75,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: before rotary, which runs inside self.attn
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, meta, positions, self.rotary.cos_sin_cache, rows),
-                           residual=residual)
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -112,6 +122,9 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual, quant)
         if rows is not None:
             residual = residual.index_select(0, rows.index)
+            if residual.shape[0] == 0:  # no row read: the layer only writes its K/V
+                self.self_attn.write_kv(positions, x, meta)
+                return None, residual
         x = self.self_attn(positions, x, meta, residual, rows)
         x, residual = self.post_attention_layernorm(
             x, residual, self.mlp.gate_up_proj.input_quant(residual.shape[0]))
@@ -152,6 +165,8 @@ class LlamaForCausalLM(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, meta, rows if i == last else None)
+        if residual.shape[0] == 0:  # no row read (OutputRows)
+            return residual
         x, _ = self.norm(x, residual)
         return x
 

@@ -1,6 +1,7 @@
-"""The engine runs its last layer on the sampled rows only (OutputRows) at prompt steps, and on
-every row where prompt logprobs read them: float32 on CPU, tokens and prompt logprobs against
-the reference generator (which runs every row through every layer)."""
+"""The engine runs its last layer on the sampled rows only (OutputRows) at prompt steps, on every
+row where prompt logprobs read them, and on none (K/V writes only) for prompt chunks that sample
+nothing: float32 on CPU, tokens and prompt logprobs against the reference generator (which runs
+every row through every layer)."""
 
 from __future__ import annotations
 
@@ -24,15 +25,18 @@ def test_engine_passes_the_sampled_rows_unless_prompt_logprobs_read_them_all(
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", recording_forward)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 21, 9)]
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 21, 9, 40)]
     greedy = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
     params = [kiln.SamplingParams(**greedy), kiln.SamplingParams(**greedy),
-              kiln.SamplingParams(**greedy, prompt_logprobs=2)]
+              kiln.SamplingParams(**greedy, prompt_logprobs=2), kiln.SamplingParams(**greedy)]
     engine.add_request("0", prompts[0], params[0])
     engine.add_request("1", prompts[1], params[1])
     outs = engine.run_to_completion()
     first = list(seen)
     engine.add_request("2", prompts[2], params[2])  # alone: its prompt step reads every row
+    outs += engine.run_to_completion()
+    second = len(seen)
+    engine.add_request("3", prompts[3], params[3])  # alone, 40 tokens: chunks of 16, 16, 8
     outs += engine.run_to_completion()
     monkeypatch.setattr(LlamaForCausalLM, "forward", real_forward)
 
@@ -41,6 +45,8 @@ def test_engine_passes_the_sampled_rows_unless_prompt_logprobs_read_them_all(
     assert first[:2] == [(16, [4]), (11, [0, 10])]
     assert all(s is None for s in first[2:])  # decodes: every row samples
     assert seen[len(first)] is None  # the prompt-logprobs request's prompt
+    # the chunks that sample nothing keep no row: the last layer only writes their K/V
+    assert seen[second:second + 3] == [(16, []), (16, []), (8, [7])]
     ref = reference_generate(engine.loaded, prompts, params, engine.max_model_len)
     outs = sorted(outs, key=lambda o: o.request_id)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]

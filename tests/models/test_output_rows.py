@@ -30,8 +30,10 @@ def model_dirs(tmp_path_factory) -> dict:
             for name, fields in VARIANTS.items()}
 
 
-def run_step(model, backend: str, pruned: bool) -> tuple[torch.Tensor, list, torch.Tensor]:
-    """(hidden states of the sampled rows, every layer's caches, the rows' index)."""
+def run_step(model, backend: str, pruned: bool, sampled: list[int] = SAMPLED
+             ) -> tuple[torch.Tensor, list, torch.Tensor]:
+    """(hidden states of the ``sampled`` sequences' last rows, every layer's caches, the rows'
+    index)."""
     gen = torch.Generator().manual_seed(11)
     vocab = model.cfg.vocab_size
     prompts = [torch.randint(3, vocab, (c + n,), generator=gen).tolist()
@@ -49,14 +51,14 @@ def run_step(model, backend: str, pruned: bool) -> tuple[torch.Tensor, list, tor
                             for t in p[s:s + n]])
         positions = torch.tensor([i for s, n in zip(start, new, strict=True)
                                   for i in range(s, s + n)])
-        kept = last_rows(meta, torch.tensor(SAMPLED)) if rows else None
+        kept = last_rows(meta, torch.tensor(sampled, dtype=torch.int64)) if rows else None
         with torch.inference_mode():
             return model(ids, positions, meta, kept), kept
 
     forward([0, 0, 0], CACHED, rows=False)  # the cached tokens (sequence 1 has none)
     hidden, kept = forward(CACHED, NEW, rows=pruned)
     ends = torch.tensor(NEW).cumsum(0) - 1
-    index = ends[SAMPLED]
+    index = ends[sampled]
     return (hidden if pruned else hidden[index]), caches, (kept.index if pruned else index)
 
 
@@ -70,6 +72,19 @@ def test_last_layer_on_sampled_rows_matches_the_full_forward(name, backend, mode
     assert hidden.shape == (len(SAMPLED), model.cfg.hidden_size)
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     assert hidden.abs().max() > 0.1  # real activations, not an empty comparison
+    for (k, v), (ref_k, ref_v) in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(k, ref_k, rtol=0, atol=0)
+        torch.testing.assert_close(v, ref_v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_step_that_reads_no_row_still_writes_every_row_of_kv(name, model_dirs):
+    """Prompt chunks that sample nothing: the last layer only writes its K/V, bit for bit the
+    full forward's, and no hidden state comes out."""
+    model = load_model(str(model_dirs[name]), dtype="float32", device="cpu").model
+    hidden, caches, index = run_step(model, "torch", pruned=True, sampled=[])
+    _, ref_caches, _ = run_step(model, "torch", pruned=False, sampled=[])
+    assert hidden.shape == (0, model.cfg.hidden_size) and index.numel() == 0
     for (k, v), (ref_k, ref_v) in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(k, ref_k, rtol=0, atol=0)
         torch.testing.assert_close(v, ref_v, rtol=0, atol=0)
