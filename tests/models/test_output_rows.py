@@ -77,13 +77,14 @@ def test_last_layer_on_sampled_rows_matches_the_full_forward(name, backend, mode
         torch.testing.assert_close(v, ref_v, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", VARIANTS)
-def test_a_step_that_reads_no_row_still_writes_every_row_of_kv(name, model_dirs):
+def test_a_step_that_reads_no_row_still_writes_every_row_of_kv(name, backend, model_dirs):
     """Prompt chunks that sample nothing: the last layer only writes its K/V, bit for bit the
     full forward's, and no hidden state comes out."""
     model = load_model(str(model_dirs[name]), dtype="float32", device="cpu").model
-    hidden, caches, index = run_step(model, "torch", pruned=True, sampled=[])
-    _, ref_caches, _ = run_step(model, "torch", pruned=False, sampled=[])
+    hidden, caches, index = run_step(model, backend, pruned=True, sampled=[])
+    _, ref_caches, _ = run_step(model, backend, pruned=False, sampled=[])
     assert hidden.shape == (0, model.cfg.hidden_size) and index.numel() == 0
     for (k, v), (ref_k, ref_v) in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(k, ref_k, rtol=0, atol=0)
