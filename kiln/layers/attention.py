@@ -45,9 +45,10 @@ class AttentionMetadata:
 @dataclass
 class OutputRows:
     """The rows of a flat batch whose final hidden states the caller reads: the last row of each
-    sequence that samples. The last layer attends and runs its MLP for these rows only (every row
-    still writes its K/V, which later tokens read); at a prefill step that skips the last layer's
-    o_proj and MLP for all but one row a prompt, ~1/32 of an 8B model's prefill GEMMs."""
+    sequence that samples (none at all in a step of prompt chunks that sample nothing). The last
+    layer attends and runs its MLP for these rows only (every row still writes its K/V, which
+    later tokens read); at a prefill step that skips the last layer's o_proj and MLP for all but
+    one row a prompt: 2.8% of Llama-3.1-8B's prefill GEMM FLOPs."""
 
     index: torch.Tensor  # [n] int64, rows of the batch, each the last of its sequence
     meta: AttentionMetadata  # one query per kept row (decode-shaped), over its whole sequence
