@@ -20,7 +20,7 @@ from kiln.engine.cuda_graphs import StepGraphs
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kiln.engine.sequence import Sequence
-from kiln.layers.attention import AttentionMetadata, last_rows
+from kiln.layers.attention import AttentionMetadata, OutputRows, last_rows
 from kiln.models.loader import LoadedModel
 from kiln.sampling.params import SamplingParams
 from kiln.sampling.sampler import (
@@ -156,10 +156,7 @@ class ModelRunner:
         batch = self.prepare(scheduled, lookahead_ids)
         ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
         read = [i for i, item in enumerate(scheduled) if item.samples]
-        # the last layer runs only the sampled rows, unless prompt logprobs read others too
-        rows = (last_rows(batch.meta, upload(torch.tensor(read, dtype=torch.int64), self.device))
-                if len(read) < ends[-1] + 1
-                and all(item.request.prompt_logprobs is None for item in scheduled) else None)
+        rows = self._output_rows(scheduled, batch.meta, read, int(ends[-1]) + 1)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, rows)
         prompt_lps = self._prompt_logprobs(scheduled, hidden, ends)
         if not read:
@@ -171,6 +168,18 @@ class ModelRunner:
             before_sampling()
         return self._sample(logits, [(scheduled[i], row) for row, i in enumerate(read)],
                             prompt_lps)
+
+    def _output_rows(self, scheduled: list[ScheduledSeq], meta: AttentionMetadata,
+                     read: list[int], num_rows: int) -> OutputRows | None:
+        """The rows the last layer runs past its K/V write: the last of each sequence ``read``
+        (indices into ``scheduled``), or None, all rows, where every row samples or prompt
+        logprobs read them."""
+        if len(read) == num_rows or any(item.request.prompt_logprobs is not None
+                                        for item in scheduled):
+            return None
+        seqs = (upload(torch.tensor(read), self.device) if read
+                else torch.empty(0, dtype=torch.int64, device=self.device))  # nothing to copy
+        return last_rows(meta, seqs)
 
     def _graph_step(self, scheduled: list[ScheduledSeq]) -> bool:
         """Pure decode steps (one new token per sequence, all sampling) replay a graph."""
