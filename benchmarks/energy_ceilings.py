@@ -14,7 +14,8 @@ warm-up, inside kiln.bench.telemetry's NVML sampling (the board's energy counter
   or int4 g128 ones through ``wint_linear`` (issue 8: int4 against bf16 at batch 512);
 - decode_attention: Kiln's split-KV decode kernel, 512 sequences of 640 tokens, 32 query heads
   over 8 KV heads of 128 (one layer of a batch-512 decode step of that workload);
-- copy: a 1 GiB device-to-device copy (read + write counted);
+- copy: a 1 GiB device-to-device copy (read + write counted; in the graph a memcpy node, which
+  the copy engines run, not SM kernels);
 - idle: the board doing nothing.
 
 Printed per case: time per call, the rate (TFLOP/s, or GB/s of K/V read or of copy traffic),

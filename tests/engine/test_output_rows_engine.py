@@ -38,7 +38,6 @@ def test_engine_passes_the_sampled_rows_unless_prompt_logprobs_read_them_all(
     second = len(seen)
     engine.add_request("3", prompts[3], params[3])  # alone, 40 tokens: chunks of 16, 16, 8
     outs += engine.run_to_completion()
-    monkeypatch.setattr(LlamaForCausalLM, "forward", real_forward)
 
     # prompt 0 whole (rows 0-4) with prompt 1's first 11 tokens, which sample nothing; then
     # prompt 0's first decode (row 0) first, with the rest of prompt 1 (rows 1-10)
